@@ -59,8 +59,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "std"))
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
-    """Random params (normal(std) matrices, unit norms) in `cfg.param_dtype`."""
+    """Random params (normal(std) matrices, unit norms) in `cfg.param_dtype`.
+
+    Jitted so that one compile builds every tensor (eagerly, each draw compiles its own).
+    """
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
     paths = [jax.tree_util.keystr(p) for p, _ in

@@ -1,0 +1,106 @@
+"""Convert model checkpoints: HF <-> s2d-jax params (orbax), and HF draft truncation.
+
+    python -m infer.convert hf-to-orbax --src HF_DIR --out CKPT [--num-layers N] [--dtype bfloat16]
+    python -m infer.convert orbax-to-hf --src CKPT --out HF_DIR [--tokenizer DIR]
+    python -m infer.convert hf-to-hf    --src HF_DIR --out HF_DIR --num-layers N [--dtype D]
+
+Tensors stream one at a time on the host (no accelerator needed). Output is written to a
+temp dir next to --out and renamed when complete; an existing --out needs --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from s2d_jax.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
+from s2d_jax.config import DTYPES
+from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.hf import export_hf, load_hf
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def common(sp, src_help, out_help):
+        sp.add_argument("--src", required=True, help=src_help)
+        sp.add_argument("--out", required=True, help=out_help)
+        sp.add_argument("--num-layers", type=int, default=None, metavar="N",
+                        help="keep only the first N decoder layers (initialise a draft)")
+        sp.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="cast all weights to this dtype (default: keep the stored dtype)")
+        sp.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it exists (only once the new output is complete)")
+        sp.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help=f"copy tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
+                             f"from DIR into --out (default: those found in --src)")
+
+    def shards(sp):
+        sp.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="split model.safetensors into shards of at most this size "
+                             "(default 5)")
+
+    common(sub.add_parser("hf-to-orbax", help="HF model dir -> s2d-jax params checkpoint",
+                          description="HF LlamaForCausalLM dir (config.json + safetensors or "
+                                      "pytorch_model.bin, sharded or not) -> params checkpoint "
+                                      "(orbax + s2d_config.json)."),
+           "HF model directory", "output params checkpoint directory")
+    sp = sub.add_parser("orbax-to-hf", help="s2d-jax params checkpoint -> HF model dir",
+                        description="params checkpoint -> HF dir loadable by "
+                                    "transformers.LlamaForCausalLM.from_pretrained; extra "
+                                    "settings such as s2d_exits go into config.json.")
+    common(sp, "params checkpoint directory", "output HF model directory")
+    shards(sp)
+    sp = sub.add_parser("hf-to-hf", help="HF dir -> HF dir (truncate layers / cast dtype)",
+                        description="Re-export an HF dir, e.g. its first N layers as a draft.")
+    common(sp, "HF model directory", "output HF model directory")
+    shards(sp)
+    return p
+
+
+@cli_main
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if not os.path.isdir(args.src):
+        raise S2DError(f"--src {args.src} is not a directory")
+    if os.path.lexists(args.out) and not args.overwrite:
+        raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
+    if os.path.abspath(args.out) == os.path.abspath(args.src):
+        raise S2DError("--out is the same directory as --src; choose another output path")
+    tokenizer_dir = args.tokenizer
+    if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
+        raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
+    if tokenizer_dir is None and has_tokenizer(args.src):
+        tokenizer_dir = args.src  # carry the source's tokenizer along
+    if getattr(args, "max_shard_gb", 1.0) <= 0:
+        raise S2DError("--max-shard-gb must be > 0")
+
+    try:
+        cfg = _convert(args, tokenizer_dir)
+    except OSError as e:  # disk full, permissions: still one line, nothing left at --out
+        raise S2DError(f"{e.strerror or e} ({e.filename or args.out})")
+    print(f"wrote {args.out}: {cfg.num_layers} layers, {cfg.num_params() / 1e6:.1f}M params, "
+          f"{cfg.param_dtype}", file=sys.stderr)
+    return 0
+
+
+def _convert(args, tokenizer_dir):
+    if args.command == "hf-to-orbax":
+        cfg, params, extra = load_hf(args.src, args.num_layers, args.dtype, host=True)
+        save_params(args.out, params, cfg, extra, overwrite=args.overwrite,
+                    tokenizer_dir=tokenizer_dir)
+    else:
+        if args.command == "orbax-to-hf":
+            cfg, params, extra = restore_params(args.src, args.num_layers, args.dtype, host=True)
+        else:
+            cfg, params, extra = load_hf(args.src, args.num_layers, args.dtype, host=True)
+        export_hf(params, cfg, args.out, extra, tokenizer_dir=tokenizer_dir,
+                  max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+    return cfg
+
+
+if __name__ == "__main__":
+    sys.exit(main())

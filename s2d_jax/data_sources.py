@@ -1,0 +1,89 @@
+"""Reading local training files: ShareGPT rows (via `datasets`) and plain-text documents."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from s2d_jax.errors import S2DError
+
+RECORD_EXTS = (".json", ".jsonl", ".parquet")
+TEXT_EXTS = (".txt",)
+# Documents in a text corpus: paragraphs (blank-line separated) and TinyStories-style
+# "<|endoftext|>" separators.
+_DOC_SPLIT = re.compile(r"\n[ \t]*\n|<\|endoftext\|>")
+
+
+def file_format(path: str, fmt: str) -> str:
+    """"sharegpt" or "text" for `path`, from `fmt` or (fmt="auto") its extension."""
+    if fmt != "auto":
+        return fmt
+    ext = os.path.splitext(path)[1].lower()
+    if ext in RECORD_EXTS:
+        return "sharegpt"
+    if ext in TEXT_EXTS:
+        return "text"
+    raise S2DError(f"cannot tell the format of {path} from its extension; use .json/.jsonl/"
+                   ".parquet (ShareGPT) or .txt (text), or set data.format")
+
+
+def _check_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise S2DError(f"data file {path} does not exist; fix data.paths")
+
+
+def load_records(path: str) -> list[dict]:
+    """Rows of a ShareGPT file: a JSON list, a single JSON object, JSON lines or parquet."""
+    _check_file(path)
+    if path.lower().endswith(".json"):
+        single = _single_json_object(path)
+        if single is not None:
+            return [single]
+    import datasets
+    builder = "parquet" if path.lower().endswith(".parquet") else "json"
+    try:
+        ds = datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train")
+    except Exception as e:  # datasets wraps parse errors in several exception types
+        cause = e.__cause__ or e
+        raise S2DError(f"cannot read {path} as {builder}: {type(cause).__name__}: "
+                       f"{str(cause).splitlines()[0] if str(cause) else ''}") from e
+    return ds.to_list()
+
+
+def _single_json_object(path: str) -> dict | None:
+    """The object if the file is one JSON object (e.g. axolotl's fixture), else None.
+
+    `datasets` would read a top-level object as columns, not as one row.
+    """
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if not head.startswith(b"{"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several objects: JSON lines in a .json file
+            return None
+        raise S2DError(f"cannot read {path}: invalid JSON ({e})") from e
+    except UnicodeDecodeError as e:
+        raise S2DError(f"cannot read {path}: not UTF-8 text ({e})") from e
+    return obj
+
+
+def load_text_documents(path: str) -> list[str]:
+    """Non-empty documents of a plain-text corpus."""
+    _check_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise S2DError(f"cannot read {path}: not UTF-8 text ({e})") from e
+    return [d.strip("\n") for d in _DOC_SPLIT.split(text) if d.strip()]
+
+
+def row_id(row, path: str, index: int) -> str:
+    """A row's "id" field if it has one, else file#index: what warnings name."""
+    rid = row.get("id") if isinstance(row, dict) else None
+    return str(rid) if rid not in (None, "") else f"{os.path.basename(path)}#{index}"

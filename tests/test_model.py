@@ -1,0 +1,118 @@
+"""The sliced transformer: layer ranges compose, a prefix is a smaller model, 70B shapes."""
+
+import dataclasses
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
+from s2d_jax.kvcache import init_cache
+from s2d_jax.model import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
+                           run_layers)
+
+MODELS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
+CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=6,
+                  num_heads=4, num_kv_heads=2, max_position_embeddings=32,
+                  rope_scaling=RopeScaling("linear", 2.0))
+
+
+def random_params(cfg, seed=0):
+    """Random params from numpy (no per-leaf jax.random compiles); norms around 1."""
+    rng = np.random.RandomState(seed)
+    return jax.tree.map_with_path(
+        lambda path, shape: jnp.asarray(
+            (rng.uniform(0.5, 1.5, shape) if "norm" in jax.tree_util.keystr(path)
+             else 0.2 * rng.randn(*shape)).astype(np.float32)),
+        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 4, 5))
+def _run(params, cfg, h, positions, start, end, cache=None):
+    return run_layers(params, cfg, h, positions, start, end, cache)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    params = random_params(CFG)
+    tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, CFG.vocab_size)
+    h = embed_tokens(params, CFG, tokens)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    return params, tokens, h, positions
+
+
+@pytest.mark.parametrize("a,b", [(2, 6), (0, 4)])
+def test_layer_ranges_compose_without_cache(setup, a, b):
+    params, _, h, positions = setup
+    whole, _ = _run(params, CFG, h, positions, 0, b)
+    first, _ = _run(params, CFG, h, positions, 0, a)
+    split, _ = _run(params, CFG, first, positions, a, b)
+    assert float(jnp.abs(whole - h).max()) > 0.1  # the layers do something
+    np.testing.assert_allclose(np.asarray(split), np.asarray(whole), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_ranges_compose_with_cache(setup, a=2, b=5):
+    """Prefill 6 tokens then decode 3, in two ranges or one: same hidden states and caches."""
+    params, _, h, positions = setup
+    results = []
+    for ranges in ([(0, b)], [(0, a), (a, b)]):
+        cache = init_cache(CFG, 2, 12)
+        outs = []
+        for lo, hi in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            x = h[:, lo:hi]
+            for start, end in ranges:
+                x, cache = _run(params, CFG, x, positions[:, lo:hi], start, end, cache)
+            cache = cache.with_lengths(cache.lengths + (hi - lo))
+            outs.append(x)
+        results.append((jnp.concatenate(outs, axis=1), cache))
+    (h_one, c_one), (h_two, c_two) = results
+    np.testing.assert_allclose(np.asarray(h_two), np.asarray(h_one), atol=1e-5, rtol=1e-5)
+    for name in ("k", "v"):
+        one, two = np.asarray(getattr(c_one, name)), np.asarray(getattr(c_two, name))
+        assert np.all(np.abs(one[:b, :, :9]).max(axis=(3, 4)) > 0)  # every slot written ...
+        assert np.all(one[b:] == 0) and np.all(one[:, :, 9:] == 0)  # ... and only those
+        np.testing.assert_allclose(two, one, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(c_two.lengths), [9, 9])
+    # the cached pass equals the uncached one over the same range
+    ref, _ = _run(params, CFG, h, positions, 0, b)
+    np.testing.assert_allclose(np.asarray(h_one), np.asarray(ref), atol=1e-4, rtol=1e-5)
+
+
+def test_layer_prefix_is_the_truncated_model(setup):
+    """Exit e of a sorted draft == the model cut to e layers (what --num-layers produces)."""
+    params, tokens, h, positions = setup
+    e = 4
+    small_cfg = dataclasses.replace(CFG, num_layers=e)
+    small = dict(params, layers=jax.tree.map(lambda x: x[:e], params["layers"]))
+    want, _ = jax.jit(forward, static_argnums=1)(small, small_cfg, tokens)
+    x, _ = _run(params, CFG, h, positions, 0, e)
+    got = lm_logits(params, CFG, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_llama2_70b_shapes_without_allocation():
+    cfg = load_model_config(os.path.join(MODELS, "llama2-70b-chat.yaml"))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 8, 128)
+    shapes = abstract_params(cfg)
+    leaves = jax.tree.leaves(shapes)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert shapes["layers"]["wq"].shape == (80, 8192, 64, 128)
+    assert shapes["layers"]["wk"].shape == (80, 8192, 8, 128)
+    assert shapes["layers"]["w_down"].shape == (80, 28672, 8192)
+    assert shapes["lm_head"].shape == (8192, 32000)
+    assert all(x.dtype == jnp.bfloat16 for x in leaves)
+    total = sum(math.prod(x.shape) for x in leaves)
+    assert 68.5e9 <= total <= 69.5e9
+    assert total == cfg.num_params()
+
+
+@pytest.mark.parametrize("name,billions", [("vicuna-7b-v1.5", 6.74), ("vicuna-13b-v1.5", 13.02)])
+def test_vicuna_param_counts(name, billions):
+    cfg = load_model_config(os.path.join(MODELS, f"{name}.yaml"))
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
+    assert total == cfg.num_params()
+    assert abs(total / 1e9 - billions) < 0.01
