@@ -214,6 +214,12 @@ def _coerce(cls_or_type, value, where: str):
         if not isinstance(value, (list, tuple)):
             raise S2DError(f"{where} must be a list, got {value!r}")
         return tuple(_coerce(elem, v, f"{where}[{i}]") for i, v in enumerate(value))
+    if cls_or_type is float and isinstance(value, str):
+        # YAML 1.1 reads "3e-3" (no dot) as a string.
+        try:
+            return float(value)
+        except ValueError:
+            raise S2DError(f"{where}={value!r} is not a float")
     if cls_or_type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if cls_or_type is int and isinstance(value, float) and value.is_integer():

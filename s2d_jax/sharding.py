@@ -51,7 +51,10 @@ def make_mesh(mc: MeshConfig, devices=None) -> Mesh:
         raise S2DError(
             f"mesh data={mc.data} x fsdp={mc.fsdp} x tensor={mc.tensor} = {n} devices, but "
             f"{len(devices)} are available; set mesh sizes whose product is {len(devices)}")
-    return jax.make_mesh(mc.shape, MESH_AXES, devices=devices)
+    # Auto axes: GSPMD propagates shardings from in/out_shardings (jax>=0.7 defaults to
+    # Explicit axes, which would demand sharding annotations on every intermediate).
+    return jax.make_mesh(mc.shape, MESH_AXES, devices=devices,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 def spec(logical: tuple, rules: dict | None = None) -> P:

@@ -1,0 +1,41 @@
+"""Sorted fine-tuning (SoFT) of a multi-exit draft, or plain LM training with one exit.
+
+    python -m train.soft --config configs/train/cpu_soft.yaml [key=value ...]
+
+Examples of overrides: `optimizer.lr=0.0001 draft.exits=[2,4] mesh.data=2
+checkpoint.dir=runs/x export_dir=runs/x/hf`. The run resumes from the latest checkpoint in
+`checkpoint.dir` when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from s2d_jax.errors import cli_main
+
+
+@cli_main
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m train.soft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = p.parse_args(argv)
+
+    from s2d_jax.train_config import load_train_config
+    from s2d_jax.trainer import train
+
+    tc = load_train_config(args.config, args.overrides)
+    out = train(tc, progress=not args.no_progress)
+    hist = out["history"]
+    if hist:
+        last = hist[-1]
+        per_exit = " ".join(f"exit{e}={v:.4f}" for e, v in last["exit_loss"].items())
+        print(f"step {last['step']}: loss {last['loss']:.4f} ({per_exit})")
+    if tc.export_dir:
+        print(f"exported draft to {tc.export_dir}")
+
+
+if __name__ == "__main__":
+    main()
