@@ -51,10 +51,17 @@ def make_mesh(mc: MeshConfig, devices=None) -> Mesh:
         raise S2DError(
             f"mesh data={mc.data} x fsdp={mc.fsdp} x tensor={mc.tensor} = {n} devices, but "
             f"{len(devices)} are available; set mesh sizes whose product is {len(devices)}")
-    # Auto axes: GSPMD propagates shardings from in/out_shardings (jax>=0.7 defaults to
-    # Explicit axes, which would demand sharding annotations on every intermediate).
-    return jax.make_mesh(mc.shape, MESH_AXES, devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+    return with_auto_axes(jax.make_mesh(mc.shape, MESH_AXES, devices=devices))
+
+
+def with_auto_axes(mesh: Mesh | None) -> Mesh | None:
+    """The same mesh with Auto axes: the model relies on GSPMD propagation from in/out
+    shardings; under jax>=0.7's default Explicit axes its embedding gather has no
+    resolvable output sharding."""
+    if mesh is None:
+        return None
+    return Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim)
 
 
 def spec(logical: tuple, rules: dict | None = None) -> P:

@@ -16,7 +16,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.hf import export_hf
 from s2d_jax.sharding import MeshConfig
 from s2d_jax.train_config import load_train_config
-from s2d_jax.train_step import auto_mesh
+from s2d_jax.sharding import make_mesh
 from s2d_jax.trainer import initial_params, resolve_draft, train
 from train import soft
 
@@ -186,7 +186,7 @@ def test_draft_initialised_from_first_layers_of_target(tmp_path):
                                   "synthetic_data=true"])
     cfg, exits, source = resolve_draft(tc)
     assert (cfg.num_layers, exits) == (2, (1, 2))
-    params = initial_params(cfg, source, auto_mesh(MeshConfig(), jax.devices()[:1]), 0)
+    params = initial_params(cfg, source, make_mesh(MeshConfig(), jax.devices()[:1]), 0)
     for name, x in params["layers"].items():
         np.testing.assert_array_equal(np.asarray(x), target["layers"][name][:2])
     np.testing.assert_array_equal(np.asarray(params["lm_head"]), target["lm_head"])

@@ -1,0 +1,233 @@
+"""Generate with S2D (or the ar / sd / self baselines) from the command line.
+
+    python -m infer.generate --target vicuna=ckpt/vicuna --draft ckpt/draft \\
+        --method s2d --thresholds 0.6,0.5,0 --gamma 4 --prompt "Hello"
+    python -m infer.generate --target ckpt/vicuna --method ar \\
+        --prompts spec_bench_question.jsonl --out out.jsonl
+
+Each output line: question_id, category, target, token_ids, text and statistics. With a
+single --prompt the text is streamed: the round loop runs as jitted chunks of a few rounds
+(state donated, identical tokens to the one-jit path) and new text is printed in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from s2d_jax.engine_state import METHODS
+from s2d_jax.errors import S2DError, cli_main
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise S2DError(f"cannot parse {text!r} as comma-separated numbers, e.g. 0.6,0.4,0")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise S2DError(f"cannot parse {text!r} as comma-separated integers, e.g. 6,9,12")
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", nargs="+", required=True, metavar="[NAME=]PATH",
+                    help="target model(s): HF dirs or params checkpoints")
+    ap.add_argument("--route", default=None, help="target name for prompts without a "
+                    "'target' field (default: the first --target)")
+    ap.add_argument("--draft", default=None, help="draft model (sd, s2d)")
+    ap.add_argument("--method", default="s2d", choices=METHODS)
+    ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
+    ap.add_argument("--exits", default=None, help="s2d exits, e.g. 6,9,12 (default: the "
+                    "draft's s2d_exits, else its full depth)")
+    ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit "
+                    "in [0,1], e.g. 0.6,0.4,0 (default 0.5 each)")
+    ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"))
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=1, help="prompts per jitted batch")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", default=None)
+    src.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                     help="Spec-Bench / MT-bench lines (question_id, category, turns)")
+    ap.add_argument("--chat-template", default="vicuna", choices=("vicuna", "none"))
+    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the first target)")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--time-split", action="store_true",
+                    help="also measure draft vs verify time per round (extra compilations)")
+    ap.add_argument("--out", default=None, metavar="FILE.jsonl")
+    return ap.parse_args(argv)
+
+
+def parse_targets(specs: list[str]) -> dict[str, str]:
+    targets = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = os.path.basename(os.path.normpath(spec)), spec
+        if not name or not path:
+            raise S2DError(f"bad --target {spec!r}; use PATH or NAME=PATH")
+        if name in targets:
+            raise S2DError(f"target name {name!r} given twice; name them NAME=PATH")
+        targets[name] = path
+    return targets
+
+
+def read_requests(args) -> list[dict]:
+    if args.prompt is not None:
+        return [{"question_id": 0, "category": None, "text": args.prompt}]
+    if not os.path.isfile(args.prompts):
+        raise S2DError(f"prompts file {args.prompts} does not exist")
+    reqs = []
+    with open(args.prompts) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text = row["turns"][0]
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise S2DError(f"{args.prompts}:{n} is not a JSON line with a non-empty "
+                               f"'turns' list (Spec-Bench / MT-bench format)")
+            reqs.append({"question_id": row.get("question_id", n), "category":
+                         row.get("category"), "target": row.get("target"), "text": text})
+    if not reqs:
+        raise S2DError(f"prompts file {args.prompts} holds no prompts")
+    return reqs
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json"))
+
+
+def build_engine(args, targets: dict[str, str]):
+    from s2d_jax.checkpoint import load_model
+    from s2d_jax.serving import Engine, TargetSpec
+    from s2d_jax.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer or next(iter(targets.values())))
+    thresholds = _floats(args.thresholds) if args.thresholds else None
+    specs = {}
+    for name, path in targets.items():
+        cfg, params, _ = load_model(path, dtype=args.dtype)
+        if tok.vocab_size > cfg.vocab_size:
+            raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
+                           f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
+        specs[name] = TargetSpec(cfg, params, gamma=args.gamma, thresholds=thresholds,
+                                 tokenizer=tok)
+    draft_cfg = draft_params = draft_tok = None
+    exits = None
+    if args.method in ("sd", "s2d"):
+        if args.draft is None:
+            raise S2DError(f"method {args.method} needs --draft")
+        draft_cfg, draft_params, extra = load_model(args.draft, dtype=args.dtype)
+        draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
+        if args.method == "sd":
+            exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
+        else:
+            exits = (_ints(args.exits) if args.exits else
+                     extra.get("s2d_exits") or [draft_cfg.num_layers])
+    elif args.method == "self":
+        if args.exit is None:
+            raise S2DError("method self needs --exit (how many target layers draft)")
+        exits = [args.exit]
+    if exits is not None and thresholds is None:
+        thresholds = [0.5] * (len(exits) - 1) + [0.0]
+        for s in specs.values():
+            s.thresholds = thresholds
+    engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,
+                    method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence)
+    return engine, tok
+
+
+def _write_jsonl_atomic(path: str, rows: list[dict]) -> None:
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".generate-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    if args.batch_size < 1:
+        raise S2DError(f"--batch-size must be >= 1, got {args.batch_size}")
+    targets = parse_targets(args.target)
+    route = args.route or next(iter(targets))
+    reqs = read_requests(args)
+    for r in reqs:
+        r["target"] = r.get("target") or route
+        if r["target"] not in targets:
+            raise S2DError(f"unknown target {r['target']!r}; known targets: "
+                           f"{', '.join(targets)}")
+    engine, tok = build_engine(args, targets)
+    from s2d_jax.chat import vicuna_prompt
+
+    for r in reqs:
+        text = vicuna_prompt([r["text"]]) if args.chat_template == "vicuna" else r["text"]
+        r["ids"] = tok.encode(text, bos=True)
+    decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p,
+                     eos_id=tok.eos_id if tok.eos_id is not None else -1)
+    stream = args.prompt is not None and args.out is None
+    rows = []
+    for name in dict.fromkeys(r["target"] for r in reqs):
+        mine = [r for r in reqs if r["target"] == name]
+        for i in range(0, len(mine), args.batch_size):
+            batch = mine[i:i + args.batch_size]
+            printed = [""]
+
+            def on_chunk(state, printed=printed):
+                lo, hi = int(state.prompt_len[0]), int(state.length[0])
+                text = tok.decode(state.tokens[0, lo:hi].tolist())
+                if text.startswith(printed[0]):
+                    print(text[len(printed[0]):], end="", flush=True)
+                    printed[0] = text
+
+            outs = engine.generate(name, [r["ids"] for r in batch], seed=args.seed + i,
+                                   chunk_rounds=4 if stream else 0,
+                                   on_chunk=on_chunk if stream else None, **decode_kw)
+            for r, o in zip(batch, outs):
+                rows.append({"question_id": r["question_id"], "category": r["category"],
+                             "target": name, "token_ids": o["token_ids"],
+                             "text": tok.decode(o["token_ids"]), "stats": o["stats"]})
+            if stream:
+                print(rows[-1]["text"][len(printed[0]):], flush=True)
+        if args.time_split and args.method != "ar":
+            from s2d_jax.serving import measure_time_split
+            split = measure_time_split(engine.decoder(name), [mine[0]["ids"]], **decode_kw)
+            for row in rows:
+                if row["target"] == name:
+                    row["stats"]["time_split"] = split
+    if args.out:
+        _write_jsonl_atomic(args.out, rows)
+    if not stream:
+        for row in rows:
+            s = row["stats"]
+            print(f"[{row['target']} #{row['question_id']}] {s['new_tokens']} tokens, "
+                  f"{s['rounds']} rounds, MAT {s['mean_accepted_tokens']:.2f}, exits "
+                  f"{s['exit_usage']}: {row['text'][:200]!r}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Logit transforms (temperature, top-k, top-p), greedy, confidence, and the speculative
+accept/residual rule.
+
+Every decoding setting is a *traced* value, so changing it never recompiles:
+temperature <= 0 means greedy, which is expressed as a one-hot distribution. Greedy and
+sampling then share one code path: with one-hot p and q the rejection rule below accepts a
+draft token exactly when it is the target's argmax and the residual is the target's argmax,
+i.e. greedy verification falls out of the general rule with no special case.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+CONFIDENCE_KINDS = ("max_prob", "entropy")
+
+
+@struct.dataclass
+class SamplingParams:
+    """Traced sampling settings, applied identically to draft and target."""
+
+    temperature: jnp.ndarray  # f32 scalar; <= 0 means greedy
+    top_k: jnp.ndarray  # i32 scalar; <= 0 means off
+    top_p: jnp.ndarray  # f32 scalar; >= 1 means off
+
+    @classmethod
+    def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+
+
+def filter_top_k(logits: jnp.ndarray, top_k: jnp.ndarray) -> jnp.ndarray:
+    """Set logits below the k-th largest to -inf (ties at the k-th value are kept)."""
+    V = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    kth = jnp.take(sorted_desc, jnp.clip(top_k - 1, 0, V - 1), axis=-1)[..., None]
+    keep = (logits >= kth) | (top_k <= 0)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def filter_top_p(logits: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (nucleus)."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    sorted_desc = -jnp.sort(-probs, axis=-1)
+    mass_before = jnp.cumsum(sorted_desc, axis=-1) - sorted_desc
+    # The most likely token is always kept; its probability bounds the kept set from below.
+    num_kept = jnp.maximum(jnp.sum(mass_before < top_p, axis=-1, keepdims=True), 1)
+    smallest_kept = jnp.take_along_axis(sorted_desc, num_kept - 1, axis=-1)
+    keep = (probs >= smallest_kept) | (top_p >= 1.0)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def _scaled_filtered_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
+    # Greedy still needs a proper distribution for confidence: use temperature 1 then.
+    t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
+    z = logits.astype(jnp.float32) / t
+    return filter_top_p(filter_top_k(z, sp.top_k), sp.top_p)
+
+
+def probs_from_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
+    """The distribution tokens are drawn from: softmax of the transformed logits, or the
+    one-hot argmax when greedy. float32 [..., V]."""
+    probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
+    onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(sp.temperature > 0, probs, onehot)
+
+
+def confidence(logits: jnp.ndarray, sp: SamplingParams, kind: str = "max_prob") -> jnp.ndarray:
+    """Per-row confidence in [0, 1] of an exit's prediction, after temperature/top-k/top-p
+    (temperature 1 when greedy, since the greedy one-hot would always say 1).
+
+    max_prob: the largest probability. entropy: 1 - H(p) / log(V).
+    """
+    probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
+    if kind == "max_prob":
+        return jnp.max(probs, axis=-1)
+    if kind == "entropy":
+        ent = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0),
+                       axis=-1)
+        return 1.0 - ent / jnp.log(jnp.float32(logits.shape[-1]))
+    raise ValueError(f"unknown confidence kind {kind!r}; use one of {CONFIDENCE_KINDS}")
+
+
+def sample(key: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
+    """Draw one token per row from probs [..., V] (zero-probability tokens are never drawn)."""
+    logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+
+def speculative_verify(key: jax.Array, proposed: jnp.ndarray, q: jnp.ndarray, p: jnp.ndarray,
+                       num_proposed: jnp.ndarray | None = None):
+    """Lossless speculative rejection sampling (Leviathan et al. / Chen et al.), tree-free.
+
+    proposed [B, G] tokens drawn from q [B, G, V] (the distribution each token was actually
+    drawn from: one-hot for a greedy proposer); p [B, G+1, V] the verifier's distributions at
+    the G proposed positions plus one. Only the first num_proposed [B] tokens of a row count.
+    Token i is accepted with prob min(1, p_i(d_i) / q_i(d_i)); the first rejection draws the
+    correction from norm(max(0, p_i - q_i)); with every proposal accepted the bonus is drawn
+    from p_num_proposed. Returns (accepted count [B] in [0, num_proposed], next token [B]).
+    Reusable at any level of a chain: the verifier of one pair is the proposer of the next.
+    """
+    B, G = proposed.shape
+    if num_proposed is None:
+        num_proposed = jnp.full((B,), G, jnp.int32)
+    k_accept, k_next = jax.random.split(key)
+    if G > 0:
+        p_d = jnp.take_along_axis(p[:, :G], proposed[..., None], axis=-1)[..., 0]
+        q_d = jnp.take_along_axis(q, proposed[..., None], axis=-1)[..., 0]
+        ratio = jnp.where(q_d > 0, p_d / jnp.where(q_d > 0, q_d, 1.0), 0.0)
+        u = jax.random.uniform(k_accept, (B, G))
+        ok = (u < ratio) & (jnp.arange(G)[None, :] < num_proposed[:, None])
+        n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+        q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)  # [B, G+1, V]
+    else:
+        n = jnp.zeros((B,), jnp.int32)
+        q_pad = jnp.zeros_like(p)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(q_pad, n[:, None, None], axis=1)[:, 0]
+    rejected = n < num_proposed
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # If rounding leaves no residual mass, p itself is the only sensible fallback.
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
+    dist = jnp.where(rejected[:, None], residual, p_n)
+    return n, sample(k_next, dist)

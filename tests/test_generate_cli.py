@@ -1,0 +1,132 @@
+"""`python -m infer.generate` on tiny exported HF models with the Llama-2 tokenizer."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infer.generate import main
+from s2d_jax import model
+from s2d_jax.config import ModelConfig
+from s2d_jax.hf import export_hf
+from s2d_jax.tokenizer import load_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
+if not os.path.isdir(TOKENIZER):
+    TOKENIZER = "/work/shared/data/llama2_tokenizer"
+CFG = ModelConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_layers=3,
+                  num_heads=2, num_kv_heads=1, max_position_embeddings=128)
+
+
+def _params(cfg, seed):
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, x):
+        if "norm" in jax.tree_util.keystr(path):
+            return np.ones(x.shape, np.float32)
+        return (0.5 * rng.standard_normal(x.shape)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    target = _params(CFG, 0)
+    export_hf(target, CFG, str(root / "target"), tokenizer_dir=TOKENIZER)
+    draft_cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 2})
+    draft = dict(target, layers=jax.tree.map(lambda x: x[:2], target["layers"]))
+    export_hf(draft, draft_cfg, str(root / "draft"), extra={"s2d_exits": [1, 2]},
+              tokenizer_dir=TOKENIZER)
+    bad_cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 2, "vocab_size": 32008})
+    export_hf(_params(bad_cfg, 1), bad_cfg, str(root / "bad_draft"))
+    prompts = root / "q.jsonl"
+    prompts.write_text(
+        json.dumps({"question_id": 7, "category": "math", "turns": ["What is 2+2?", "x"]}) + "\n"
+        + json.dumps({"question_id": 8, "category": "writing", "turns": ["Say hi."]}) + "\n")
+    return root, target
+
+
+def greedy_reference(params, ids, n):
+    fwd = jax.jit(lambda p, t: model.forward(p, CFG, t)[0])
+    buf = np.zeros((1, 128), np.int32)
+    buf[0, :len(ids)] = ids
+    for t in range(len(ids), len(ids) + n):
+        buf[0, t] = int(jnp.argmax(fwd(params, jnp.asarray(buf))[0, t - 1]))
+    return buf[0, len(ids):len(ids) + n].tolist()
+
+
+def test_s2d_cli_writes_lossless_jsonl(models):
+    root, target = models
+    out = root / "out.jsonl"
+    rc = main(["--target", f"vic={root / 'target'}", "--draft", str(root / "draft"),
+               "--method", "s2d", "--thresholds", "0.3,0", "--gamma", "2",
+               "--max-new-tokens", "6", "--prompts", str(root / "q.jsonl"),
+               "--batch-size", "2", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["question_id"] for r in rows] == [7, 8]
+    tok = load_tokenizer(TOKENIZER)
+    from s2d_jax.chat import vicuna_prompt
+    for r, q in zip(rows, ["What is 2+2?", "Say hi."]):
+        ids = tok.encode(vicuna_prompt([q]))
+        ref = greedy_reference(target, ids, 6)
+        eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
+        assert r["token_ids"] == ref[:eos_cut]
+        assert r["text"] == tok.decode(r["token_ids"])
+        assert r["target"] == "vic"
+        s = r["stats"]
+        assert s["method"] == "s2d" and s["exits"] == [1, 2]  # exits read from config.json
+        assert sum(s["exit_usage"]) > 0 and s["rounds"] >= 1
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_cli_bad_input_is_one_line_exit_2(models, capsys):
+    root, _ = models
+    base = ["--target", str(root / "target"), "--draft", str(root / "draft"), "--prompt", "hi"]
+    assert "threshold" in _error(capsys, base + ["--thresholds", "0.5,0.5,0.5"])
+    assert "[0, 1]" in _error(capsys, base + ["--thresholds", "0.5,2"])
+    assert "gamma" in _error(capsys, base + ["--gamma", "0"])
+    assert "does not fit the context" in _error(capsys, base[:-1] + ["word " * 300])
+    assert "unknown target" in _error(capsys, base + ["--route", "nope"])
+    assert "vocab_size" in _error(capsys, ["--target", str(root / "target"), "--draft",
+                                           str(root / "bad_draft"), "--prompt", "hi"])
+    assert "does not exist" in _error(capsys, base[:-2] + ["--prompts", str(root / "no.jsonl")])
+
+
+def test_cli_subprocess_error_exit_code(models):
+    root, _ = models
+    proc = subprocess.run(
+        [sys.executable, "-m", "infer.generate", "--target", str(root / "target"),
+         "--method", "sd", "--prompt", "hi"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: method sd needs --draft"]
+
+
+@pytest.mark.slow
+def test_cli_streams_single_prompt(models, capsys):
+    root, target = models
+    rc = main(["--target", str(root / "target"), "--method", "self", "--exit", "1",
+               "--gamma", "2", "--max-new-tokens", "6", "--prompt", "Say hi."])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    tok = load_tokenizer(TOKENIZER)
+    from s2d_jax.chat import vicuna_prompt
+    ref = greedy_reference(target, tok.encode(vicuna_prompt(["Say hi."])), 6)
+    eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
+    assert printed.strip() == tok.decode(ref[:eos_cut]).strip()
