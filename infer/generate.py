@@ -65,6 +65,18 @@ def parse_args(argv):
     ap.add_argument("--chat-template", default="vicuna", choices=("vicuna", "none"))
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the first target)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                    help="shard targets and draft over devices, e.g. tensor=8 or "
+                    "data=2,tensor=4 (product = device count; default: one device)")
+    ap.add_argument("--intermediate", action="append", default=[], metavar="PATH",
+                    help="polybasic chain: a model between draft and target (repeat for more "
+                    "levels, lowest first); with --quantize-intermediate and no PATH, the "
+                    "quantized target is the intermediate")
+    ap.add_argument("--quantize-intermediate", default=None, choices=("int8", "int4"),
+                    help="weight-only quantize the intermediate(s) (int4: --quant-group rows)")
+    ap.add_argument("--quant-group", type=int, default=64, help="int4 group size")
+    ap.add_argument("--mu", default=None, help="chain accumulation length per intermediate, "
+                    "e.g. 4 or 4,8 (default: gamma each)")
     ap.add_argument("--time-split", action="store_true",
                     help="also measure draft vs verify time per round (extra compilations)")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl")
@@ -119,9 +131,11 @@ def build_engine(args, targets: dict[str, str]):
 
     tok = load_tokenizer(args.tokenizer or next(iter(targets.values())))
     thresholds = _floats(args.thresholds) if args.thresholds else None
+    mesh, shardings = _mesh_and_shardings(args, targets)
     specs = {}
     for name, path in targets.items():
-        cfg, params, _ = load_model(path, dtype=args.dtype)
+        cfg, params, _ = load_model(path, dtype=args.dtype,
+                                    shardings=shardings(f"target[{name}]"))
         if tok.vocab_size > cfg.vocab_size:
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
@@ -132,7 +146,8 @@ def build_engine(args, targets: dict[str, str]):
     if args.method in ("sd", "s2d"):
         if args.draft is None:
             raise S2DError(f"method {args.method} needs --draft")
-        draft_cfg, draft_params, extra = load_model(args.draft, dtype=args.dtype)
+        draft_cfg, draft_params, extra = load_model(args.draft, dtype=args.dtype,
+                                                    shardings=shardings("draft"))
         draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
         if args.method == "sd":
             exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
@@ -147,9 +162,58 @@ def build_engine(args, targets: dict[str, str]):
         thresholds = [0.5] * (len(exits) - 1) + [0.0]
         for s in specs.values():
             s.thresholds = thresholds
+    intermediates = _load_intermediates(args, specs)
+    mus = _ints(args.mu) if args.mu else None
     engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,
-                    method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence)
+                    intermediates=intermediates, mus=mus,
+                    method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence,
+                    mesh=mesh)
     return engine, tok
+
+
+def _load_intermediates(args, specs) -> list:
+    """[(cfg, params)] of the chain's intermediate levels (lowest first), maybe quantized."""
+    from s2d_jax.checkpoint import load_model
+    from s2d_jax.quantize import quantize_params
+
+    if not args.intermediate and not args.quantize_intermediate:
+        if args.mu:
+            raise S2DError("--mu needs a chain: pass --intermediate and/or --quantize-intermediate")
+        return []
+    if args.method not in ("sd", "s2d", "self"):
+        raise S2DError(f"method {args.method} has no draft to chain; use --method s2d")
+    n_levels = len(args.intermediate) or 1
+    if args.mu and len(_ints(args.mu)) != n_levels:
+        raise S2DError(f"--mu has {len(_ints(args.mu))} value(s) for {n_levels} intermediate "
+                       f"level(s); pass one mu per intermediate")
+    if args.mesh and args.quantize_intermediate:
+        raise S2DError("--quantize-intermediate does not support --mesh yet; drop one of them")
+    if args.intermediate:
+        levels = [load_model(path, dtype=args.dtype)[:2] for path in args.intermediate]
+    else:
+        if len(specs) != 1:
+            raise S2DError("a quantized-target intermediate needs exactly one --target; pass "
+                           "--intermediate PATH for several targets")
+        t = next(iter(specs.values()))
+        levels = [(t.cfg, t.params)]
+    if args.quantize_intermediate:
+        levels = [(cfg, quantize_params(params, args.quantize_intermediate, args.quant_group))
+                  for cfg, params in levels]
+    return levels
+
+
+def _mesh_and_shardings(args, targets: dict[str, str]):
+    """(mesh or None, "target[NAME]" / "draft" -> params shardings or None). Each checkpoint shard is then
+    restored straight onto its devices; sizes are checked before any weight is read."""
+    if not args.mesh:
+        return None, lambda name: None
+    from s2d_jax.distributed import build_mesh, param_shardings, parse_mesh, stored_model_config
+    paths = {f"target[{name}]": path for name, path in targets.items()}
+    if args.method in ("sd", "s2d") and args.draft:
+        paths["draft"] = args.draft
+    cfgs = {key: stored_model_config(path) for key, path in paths.items()}
+    mesh = build_mesh(parse_mesh(args.mesh), cfgs)
+    return mesh, lambda key: param_shardings(cfgs[key], mesh)
 
 
 def _write_jsonl_atomic(path: str, rows: list[dict]) -> None:
@@ -169,6 +233,8 @@ def _write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    from s2d_jax.distributed import maybe_initialize_distributed
+    maybe_initialize_distributed()  # before any device query; no-op on one host
     if args.batch_size < 1:
         raise S2DError(f"--batch-size must be >= 1, got {args.batch_size}")
     targets = parse_targets(args.target)

@@ -1,7 +1,7 @@
 """Static decode settings, traced decode settings, and the donated generation state.
 
-Static (a change recompiles): method, exits, gamma, buffer sizes, confidence kind, K/V
-scheme. Traced (a change never recompiles): thresholds, temperature, top-k, top-p,
+Static (a change recompiles): method, exits, gamma, chain levels and their mu, buffer
+sizes, confidence kind, K/V scheme. Traced (a change never recompiles): thresholds, temperature, top-k, top-p,
 max_new_tokens, EOS id, the dynamic-draft-length stop threshold.
 """
 
@@ -30,6 +30,8 @@ class SpecConfig:
     gamma: draft tokens per round (0 for ar).
     max_len: cache / token buffer length per row (prompt + generated + gamma + 1 slack).
     kv_fill: how layers skipped by an early exit get keys/values, see drafting.py.
+    mus: one accumulation length mu_k >= 1 per intermediate level of a polybasic chain
+      (draft -> intermediate_1 -> ... -> target, chain.py); () = two-level S2D.
     """
 
     method: str = "s2d"
@@ -38,6 +40,7 @@ class SpecConfig:
     max_len: int = 256
     confidence: str = "max_prob"
     kv_fill: str = "calm"
+    mus: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -47,7 +50,13 @@ class SpecConfig:
                            f"{', '.join(CONFIDENCE_KINDS)}")
         if self.kv_fill not in KV_FILL:
             raise S2DError(f"unknown kv_fill {self.kv_fill!r}; use one of {', '.join(KV_FILL)}")
+        mus = tuple(int(m) for m in self.mus)
+        object.__setattr__(self, "mus", mus)
+        if any(m < 1 for m in mus):
+            raise S2DError(f"chain accumulation lengths mu must be >= 1, got {list(mus)}")
         if self.method == "ar":
+            if mus:
+                raise S2DError("method ar has no draft to chain; drop the intermediate levels")
             if self.gamma != 0 or self.exits:
                 object.__setattr__(self, "gamma", 0)
                 object.__setattr__(self, "exits", ())
@@ -64,6 +73,20 @@ class SpecConfig:
     @property
     def num_exits(self) -> int:
         return len(self.exits)
+
+    @property
+    def num_levels(self) -> int:
+        """Levels of the chain: draft, intermediates, target (ar: an empty draft level)."""
+        return 2 + len(self.mus)
+
+    def block_len(self, level: int) -> int:
+        """Static size of the block level `level` passes up: M_0 = gamma, M_k = mu_k + M_{k-1}."""
+        return self.gamma + sum(self.mus[:level])
+
+    @property
+    def round_span(self) -> int:
+        """Most tokens one round can add (and the positions the target scores)."""
+        return self.block_len(self.num_levels - 2) + 1
 
 
 @struct.dataclass
@@ -103,8 +126,10 @@ class DecodeParams:
 class GenState:
     """Everything the round loop carries; fixed shapes, donated between jitted chunks.
 
-    Invariant between rounds: tokens[b, :length[b]] is the sequence so far, and both caches
-    hold keys/values for positions < length[b] - 1 (the last token is fed next round).
+    Invariant between rounds: tokens[b, :length[b]] is the sequence so far (zeros after),
+    and the cache of chain level k (0 = draft, n-1 = target) holds keys/values for at least
+    the positions < length[b] - (n - k) (the target: all but the last token, fed next round;
+    the lower levels re-feed their catch-up window, chain.py).
     """
 
     tokens: jnp.ndarray  # i32 [B, S]
@@ -121,6 +146,11 @@ class GenState:
     accepted_at: jnp.ndarray  # i32 [B, gamma] draft position g accepted
     proposed_at: jnp.ndarray  # i32 [B, gamma] draft position g proposed
     exit_counts: jnp.ndarray  # i32 [B, num_exits] drafted tokens kept at each exit
+    # Per verifier level k = 1 .. n-1 of the chain (n = 2: just the target).
+    level_accepted: jnp.ndarray  # i32 [B, n-1] tokens level k accepted from level k-1
+    level_proposed: jnp.ndarray  # i32 [B, n-1] tokens level k-1 proposed to level k
+    level_calls: jnp.ndarray  # i32 [B, n-1] forwards of level k the row took part in
+    mid_caches: tuple = ()  # KVCache per intermediate level
 
     @property
     def new_tokens(self) -> jnp.ndarray:

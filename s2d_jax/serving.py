@@ -38,7 +38,11 @@ class Decoder:
                  draft_cfg: ModelConfig | None = None, draft_params=None,
                  exits: Sequence[int] | None = None, gamma: int = 4, thresholds=None,
                  confidence: str = "max_prob", kv_fill: str = "calm", target_tokenizer=None,
-                 draft_tokenizer=None, name: str = "target", mesh=None):
+                 draft_tokenizer=None, name: str = "target", mesh=None,
+                 intermediates: Sequence[tuple[ModelConfig, object]] = (),
+                 mus: Sequence[int] | None = None):
+        """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
+        chain (chain.py) with accumulation lengths `mus` (default: gamma per level)."""
         self.name, self.mesh = name, with_auto_axes(mesh)
         self.target_cfg, self.target_params = target_cfg, target_params
         if method == "self":
@@ -64,8 +68,22 @@ class Decoder:
         if method != "ar" and exits and max(exits) > draft_cfg.num_layers:
             raise S2DError(f"exit {max(exits)} is deeper than the draft's {draft_cfg.num_layers} "
                            f"layers; pick exits <= {draft_cfg.num_layers}")
+        intermediates = tuple(intermediates)
+        mus = tuple(mus) if mus is not None else (gamma,) * len(intermediates)
+        if intermediates and method == "ar":
+            raise S2DError("method ar has no draft to chain; drop the intermediate models")
+        if len(mus) != len(intermediates):
+            raise S2DError(f"got {len(mus)} mu value(s) for {len(intermediates)} intermediate "
+                           f"model(s); pass one mu per intermediate")
+        for i, (mcfg, _) in enumerate(intermediates):
+            if mcfg.vocab_size != target_cfg.vocab_size:
+                raise S2DError(f"intermediate {i} vocab_size {mcfg.vocab_size} differs from "
+                               f"target {name!r} vocab_size {target_cfg.vocab_size}; use a "
+                               f"model with the target's tokenizer")
+        self.mid_cfgs = tuple(c for c, _ in intermediates)
+        self.mid_params = tuple(p for _, p in intermediates)
         self.spec_base = SpecConfig(method=method, exits=exits, gamma=gamma if method != "ar" else 0,
-                                    max_len=16, confidence=confidence, kv_fill=kv_fill)
+                                    max_len=16, confidence=confidence, kv_fill=kv_fill, mus=mus)
         # The draft's cache only needs the layers up to the deepest exit.
         self.draft_cfg = (None if method == "ar"
                           else dataclasses.replace(draft_cfg, num_layers=exits[-1]))
@@ -78,6 +96,8 @@ class Decoder:
         ctx = self.target_cfg.max_position_embeddings
         if self.draft_cfg is not None:
             ctx = min(ctx, self.draft_cfg.max_position_embeddings)
+        for mcfg in self.mid_cfgs:
+            ctx = min(ctx, mcfg.max_position_embeddings)
         return ctx
 
     def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -92,7 +112,7 @@ class Decoder:
             if min(p) < 0 or max(p) >= V:
                 raise S2DError(f"prompt {i} has token ids outside [0, {V}); wrong tokenizer?")
         longest = max(len(p) for p in prompts)
-        gamma = self.spec_base.gamma
+        gamma = self.spec_base.round_span - 1  # = gamma without intermediate levels
         if longest + gamma + 2 > self.context:
             raise S2DError(f"a prompt of {longest} tokens does not fit the context of "
                            f"{self.context} tokens (with gamma {gamma}); shorten the prompt")
@@ -125,8 +145,9 @@ class Decoder:
                                 top_p=top_p, max_new_tokens=max_new_tokens, eos_id=eos,
                                 stop_threshold=stop_threshold)
         kw = dict(draft_cfg=self.draft_cfg, target_cfg=self.target_cfg, spec=spec,
-                  mesh=self.mesh)
-        args = (self.draft_params, self.target_params, arr, lens, dp, jax.random.key(seed))
+                  mesh=self.mesh, mid_cfgs=self.mid_cfgs)
+        args = (self.draft_params, self.target_params, arr, lens, dp, jax.random.key(seed),
+                self.mid_params)
         # Compile ahead (cached by jax per static settings and shapes) so that the reported
         # time and tokens/s exclude compilation.
         t0 = time.perf_counter()
@@ -138,7 +159,7 @@ class Decoder:
         else:
             first = engine.prefill.lower(*args, **kw).compile()
             rounds = jnp.int32(chunk_rounds)
-            loop_args = (self.draft_params, self.target_params, dp, rounds)
+            loop_args = (self.draft_params, self.target_params, dp, rounds, self.mid_params)
             chunk = engine.decode_chunk.lower(
                 jax.eval_shape(lambda: first(*args)), *loop_args, **kw).compile()
             compile_s = time.perf_counter() - t0
@@ -175,6 +196,13 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "acceptance_rate_per_position": [
                     float(a) / float(p) if p else None for a, p in zip(s.accepted_at[b], proposed)],
                 "exit_usage": s.exit_counts[b].tolist(),
+                # Chain levels k = 1 .. n-1 (n = 2: the target): acceptance of level k-1's
+                # tokens by level k, and level k's forwards.
+                "mus": list(spec.mus),
+                "level_acceptance_rate": [
+                    float(a) / float(p) if p else None
+                    for a, p in zip(s.level_accepted[b], s.level_proposed[b])],
+                "level_forwards": s.level_calls[b].tolist(),
                 "batch_seconds": seconds,  # generation only, compilation excluded
                 "compile_seconds": compile_seconds,
                 "batch_tokens_per_s": total_new / seconds if seconds > 0 else None,
@@ -191,10 +219,11 @@ def measure_time_split(decoder: Decoder, prompts, *, max_new_tokens: int = 64, r
         raise S2DError("method ar has no draft phase to time")
     spec, arr, lens = decoder.prepare(prompts, max_new_tokens)
     dp = decoder.decode_params(spec, **decode_kw)
-    kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec)
+    kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
+              mid_cfgs=decoder.mid_cfgs)
     state = engine.prefill(decoder.draft_params, decoder.target_params, arr, lens, dp,
-                           jax.random.key(0), **kw)
-    draft = jax.jit(engine.draft_phase, static_argnames=("draft_cfg", "spec"))
+                           jax.random.key(0), decoder.mid_params, **kw)
+    draft = jax.jit(engine.draft_phase, static_argnames=("draft_cfg", "spec", "mid_cfgs"))
     verify = jax.jit(engine.verify_phase, static_argnames=("target_cfg", "spec"))
 
     def timed(fn):
@@ -204,8 +233,9 @@ def measure_time_split(decoder: Decoder, prompts, *, max_new_tokens: int = 64, r
             out = jax.block_until_ready(fn())
         return (time.perf_counter() - t) / reps, out
 
-    t_draft, drafted = timed(lambda: draft(state, decoder.draft_params, dp,
-                                           draft_cfg=decoder.draft_cfg, spec=spec))
+    t_draft, drafted = timed(lambda: draft(state, decoder.draft_params, dp, decoder.mid_params,
+                                           draft_cfg=decoder.draft_cfg, spec=spec,
+                                           mid_cfgs=decoder.mid_cfgs))
     t_verify, _ = timed(lambda: verify(state, decoder.target_params, dp, drafted,
                                        target_cfg=decoder.target_cfg, spec=spec))
     return {"draft_s_per_round": t_draft, "verify_s_per_round": t_verify,
@@ -229,7 +259,7 @@ class Engine:
     def __init__(self, targets: dict[str, TargetSpec], *, draft_cfg: ModelConfig | None = None,
                  draft_params=None, exits: Sequence[int] | None = None, method: str = "s2d",
                  draft_tokenizer=None, confidence: str = "max_prob", kv_fill: str = "calm",
-                 mesh=None):
+                 mesh=None, intermediates=(), mus=None):
         if not targets:
             raise S2DError("no targets given; pass at least one --target")
         self.decoders = {
@@ -237,7 +267,7 @@ class Engine:
                           draft_params=draft_params, exits=exits, gamma=t.gamma,
                           thresholds=t.thresholds, confidence=confidence, kv_fill=kv_fill,
                           target_tokenizer=t.tokenizer, draft_tokenizer=draft_tokenizer,
-                          name=name, mesh=mesh)
+                          name=name, mesh=mesh, intermediates=intermediates, mus=mus)
             for name, t in targets.items()}
 
     @property

@@ -20,6 +20,7 @@ import numpy as np
 from s2d_jax import model
 from s2d_jax import train_checkpoint as ckpt
 from s2d_jax.config import ModelConfig, load_model_config, read_hf_config
+from s2d_jax.distributed import maybe_initialize_distributed
 from s2d_jax.errors import S2DError
 from s2d_jax.sharding import check_divisible, logical_to_sharding
 from s2d_jax.sorted_draft import draft_hf_extra, validate_exits
@@ -29,20 +30,6 @@ from s2d_jax.sharding import make_mesh
 from s2d_jax.train_step import (BATCH_KEYS, abstract_state, batch_sharding,
                                 global_batch, make_init_fn, make_optimizer, make_train_step,
                                 state_shardings)
-
-COORDINATOR_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def maybe_initialize_distributed() -> None:
-    """Join a multi-host run when the coordinator env vars are set; no-op otherwise."""
-    if not all(os.environ.get(k) for k in COORDINATOR_ENV):
-        return
-    if jax.distributed.is_initialized():
-        return
-    jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                               num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                               process_id=int(os.environ["JAX_PROCESS_ID"]))
-
 
 def _with_dtypes(cfg: ModelConfig, tc: TrainConfig) -> ModelConfig:
     kw = {k: v for k, v in (("dtype", tc.model.dtype), ("param_dtype", tc.model.param_dtype)) if v}

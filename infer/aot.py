@@ -1,0 +1,142 @@
+"""Prove ahead of time that a sharded S2D generation fits: lower and compile it on abstract
+shapes (no weights read or allocated) and print per-device memory and compile time.
+
+    python -m infer.aot --fake-devices 8 --target configs/models/llama2-70b-chat.yaml \\
+        --draft configs/models/vicuna-7b-v1.5.yaml --draft-layers 12 --exits 6,9,12 \\
+        --mesh tensor=8 --batch 1,8 --context 4096 --dtype bfloat16 --device-memory h100-80gb
+
+--target / --draft: model YAML, HF dir or config.json (only the shapes are read).
+--device-memory: h100-80gb, a100-80gb, a100-40gb, tpu-v5e-16gb, tpu-v4-32gb, ... or GiB.
+--train-config: also compile the SoFT training step of that training YAML for the draft on
+the same mesh (the same as `python -m train.aot --config ... --target <draft> mesh.*=...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from s2d_jax.errors import S2DError, cli_main
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise S2DError(f"cannot parse {flag} {text!r}; give positive integers, e.g. 1,8")
+    return out
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m infer.aot", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="target model YAML / HF dir / config.json")
+    p.add_argument("--draft", default=None, help="draft model (its first --draft-layers layers)")
+    p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
+    p.add_argument("--exits", default=None, help="draft exits, e.g. 6,9,12 (default: draft depth)")
+    p.add_argument("--method", default="s2d", choices=("s2d", "sd", "ar"))
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8 or data=2,tensor=4")
+    p.add_argument("--batch", default="1", help="batch sizes to compile, e.g. 1,8")
+    p.add_argument("--context", type=int, default=4096, help="cache length per row")
+    p.add_argument("--prompt-len", type=int, default=None, help="padded prompt length "
+                   "(default: context / 4)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device-memory", default="h100-80gb")
+    p.add_argument("--fake-devices", type=int, default=0,
+                   help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
+    p.add_argument("--check-gathers", action="store_true",
+                   help="also list all-gathers of whole parameters in the compiled HLO")
+    p.add_argument("--raw-cpu-passes", action="store_true",
+                   help="on CPU, keep XLA's hoisting of bf16->f32 weight converts out of the "
+                        "layer loop (a CPU-only f32 copy of all weights in temp)")
+    p.add_argument("--train-config", default=None,
+                   help="also AOT-compile the SoFT step of this training YAML for the draft")
+    return p.parse_args(argv)
+
+
+def _model_cfg(path: str, dtype: str | None):
+    from s2d_jax.config import load_model_config
+    if not os.path.exists(path):
+        raise S2DError(f"model config {path} does not exist; pass a model YAML "
+                       f"(configs/models/*.yaml), an HF dir or a config.json")
+    cfg = load_model_config(path)
+    return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype) if dtype else cfg
+
+
+@cli_main
+def main(argv=None):
+    args = _parse(argv)
+    from s2d_jax.distributed import parse_mesh
+    mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
+    batches = _ints(args.batch, "--batch")
+    exits = _ints(args.exits, "--exits") if args.exits else None
+    if args.fake_devices:
+        # XLA reads this when the CPU backend starts (first device query).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.fake_devices}")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+
+    from s2d_jax.aot import (GenerateSetup, accelerator_like_options, compile_generate,
+                             device_memory_bytes, format_report, memory_report, param_gathers)
+    from s2d_jax.distributed import build_mesh
+
+    device_bytes = device_memory_bytes(args.device_memory)
+    target = _model_cfg(args.target, args.dtype)
+    draft = None
+    if args.method != "ar":
+        if args.draft is None:
+            raise S2DError(f"method {args.method} needs --draft")
+        draft = _model_cfg(args.draft, args.dtype)
+        layers = args.draft_layers or (exits[-1] if exits else draft.num_layers)
+        if not 1 <= layers <= draft.num_layers:
+            raise S2DError(f"--draft-layers {layers} is outside 1..{draft.num_layers}")
+        draft = dataclasses.replace(draft, num_layers=layers)
+        exits = exits or [layers]
+        if args.method == "sd" and len(exits) != 1:
+            raise S2DError("method sd uses one exit; pass --exits N")
+    cfgs = {"target": target} if draft is None else {"target": target, "draft": draft}
+    mesh = build_mesh(mesh_cfg, cfgs)
+    devices = jax.devices()
+    print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
+          f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
+    print(f"target: {target.name} {target.num_layers} layers ({target.num_params() / 1e9:.1f}B "
+          f"params, {target.param_dtype})")
+    if draft is not None:
+        print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
+              f"params), exits {exits}, gamma {args.gamma}")
+    options = {} if args.raw_cpu_passes else accelerator_like_options([target, draft])
+    if options:
+        print("note: CPU compile with the bf16->f32 weight-convert hoisting disabled, so temp "
+              "models a GPU/TPU (bf16 matmuls); --raw-cpu-passes shows the CPU's own")
+    for batch in batches:
+        setup = GenerateSetup.make(target, draft, exits or (), batch, args.context,
+                                   args.prompt_len, args.gamma, args.method)
+        compiled, t_lower, t_compile = compile_generate(setup, mesh, options)
+        rep = memory_report(compiled, setup, mesh)
+        print(f"batch {batch}, context {args.context}, prompt {setup.prompt_len}: lower "
+              f"{t_lower:.1f} s, compile {t_compile:.1f} s; per-device memory:")
+        for line in format_report(rep, device_bytes):
+            print(line)
+        if args.check_gathers:
+            gathers = param_gathers(compiled.as_text(), list(cfgs.values()), mesh)
+            print(f"  whole-parameter all-gathers: {len(gathers)}")
+            for g in gathers[:10]:
+                print(f"    {g}")
+        del compiled
+    if args.train_config:
+        from train.aot import main as train_aot
+        print(f"SoFT training step ({args.train_config}):")
+        train_aot(["--config", args.train_config, "--target", args.draft or args.target,
+                   f"mesh.data={mesh_cfg.data}", f"mesh.fsdp={mesh_cfg.fsdp}",
+                   f"mesh.tensor={mesh_cfg.tensor}"])
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Weight-only int8 / int4 quantization of a model's params: a cheaper model of the same
+architecture, usable as a chain's intermediate level (or as a plain target).
+
+Every quantized matrix of model.py has its contracted (input) axes first and its output
+axes last after the optional leading layer axis: wq/wk/wv [D | N,H], wo [N,H | D],
+w_gate/w_up [D | F], w_down [F | D], lm_head [D | V]. A `QuantizedWeight` stores it as
+`q [..., in, out]` with symmetric scales per output channel and per group of `group`
+input rows (`scale [..., in/group, 1, out]`):
+  int8: one group over the whole input dim (per-output-channel scales), values in [-127, 127];
+  int4: groups of `group` input rows, values in [-8, 7], two per byte (uint8 `q [..., in/2, out]`).
+`QuantizedWeight.astype(dtype)` dequantizes, so model.py's `lp["wq"].astype(dt)` works
+unchanged; its leaves keep the leading layer axis, so `layer_slice` and `lax.scan` slice
+them like plain arrays. Norms and the embedding table (a gather, and ~2% of a 7B model)
+stay in full precision. This saves memory (params bytes), not FLOPs: on CPU the weight is
+dequantized before each matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from s2d_jax.errors import S2DError
+
+MODES = ("int8", "int4")
+# Number of contracted (input) axes of each quantized param, after the layer axis.
+INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+@struct.dataclass
+class QuantizedWeight:
+    q: jnp.ndarray  # int8 [..., in, out] (int8 mode) or uint8 [..., in/2, out] (int4, packed)
+    scale: jnp.ndarray  # float32 [..., in/group, 1, out]
+    shape: tuple = struct.field(pytree_node=False)  # per-layer (unstacked) original shape
+    group: int = struct.field(pytree_node=False)
+    bits: int = struct.field(pytree_node=False)
+
+    def astype(self, dtype) -> jnp.ndarray:
+        """The dequantized weight in `dtype`, with any leading (layer) axes kept."""
+        lead = self.scale.shape[:-3]
+        q = _unpack_int4(self.q) if self.bits == 4 else self.q
+        n_in, n_out = q.shape[-2], q.shape[-1]
+        grouped = q.reshape(lead + (n_in // self.group, self.group, n_out)).astype(jnp.float32)
+        w = (grouped * self.scale).reshape(lead + tuple(self.shape))
+        return w.astype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
+def _pack_int4(q: jnp.ndarray) -> jnp.ndarray:
+    """int values in [-8, 7], [..., in, out] with even `in` -> uint8 [..., in/2, out]."""
+    u = (q.astype(jnp.int32) & 0xF).astype(jnp.uint8)
+    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
+
+
+def _unpack_int4(packed: jnp.ndarray) -> jnp.ndarray:
+    lo = (packed & 0xF).astype(jnp.int8)
+    hi = (packed >> 4).astype(jnp.int8)
+    both = jnp.stack([lo, hi], axis=-2)  # [..., in/2, 2, out]
+    both = jnp.where(both >= 8, both - 16, both)  # sign-extend the 4-bit values
+    return both.reshape(packed.shape[:-2] + (2 * packed.shape[-2], packed.shape[-1]))
+
+
+def quantize_weight(w: jnp.ndarray, n_in_axes: int, bits: int = 8, group: int = 0,
+                    n_lead: int = 0) -> QuantizedWeight:
+    """Quantize w [lead..., in_axes..., out_axes...] symmetrically per (input group, output
+    channel). group = 0 means the whole input dim (per-output-channel)."""
+    lead = w.shape[:n_lead]
+    inner = w.shape[n_lead:]
+    n_in = math.prod(inner[:n_in_axes])
+    n_out = math.prod(inner[n_in_axes:])
+    group = n_in if group <= 0 else group
+    if n_in % group or (bits == 4 and group % 2):
+        raise S2DError(f"quantization group {group} does not divide input dim {n_in} of a "
+                       f"{tuple(inner)} weight (int4 also needs an even group); pick a divisor")
+    qmax = 127 if bits == 8 else 7
+    w32 = w.astype(jnp.float32).reshape(lead + (n_in // group, group, n_out))
+    absmax = jnp.max(jnp.abs(w32), axis=-2, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / qmax, 1.0)
+    q = jnp.clip(jnp.round(w32 / scale), -qmax - (bits == 4), qmax).astype(jnp.int8)
+    q = q.reshape(lead + (n_in, n_out))
+    if bits == 4:
+        q = _pack_int4(q)
+    return QuantizedWeight(q=q, scale=scale, shape=tuple(inner), group=group, bits=bits)
+
+
+def quantize_params(params: dict, mode: str = "int8", group: int = 64) -> dict:
+    """Quantize the layer matrices (and an untied lm_head) of a model.py params dict.
+
+    int8 ignores `group` (per-output-channel scales); int4 uses `group` input rows per
+    scale (falls back to the whole input dim when a dim is smaller than the group).
+    """
+    if mode not in MODES:
+        raise S2DError(f"unknown quantization {mode!r}; use one of {', '.join(MODES)}")
+    bits = 8 if mode == "int8" else 4
+
+    def pick_group(n_in):
+        if bits == 8:
+            return 0
+        return group if n_in % group == 0 else n_in
+
+    layers = dict(params["layers"])
+    for name, n_axes in INPUT_AXES.items():
+        w = layers[name]
+        n_in = math.prod(w.shape[1:1 + n_axes])
+        layers[name] = quantize_weight(w, n_axes, bits, pick_group(n_in), n_lead=1)
+    out = dict(params, layers=layers)
+    if "lm_head" in params:
+        out["lm_head"] = quantize_weight(params["lm_head"], 1, bits,
+                                         pick_group(params["lm_head"].shape[0]))
+    return out
+
+
+def params_nbytes(params) -> int:
+    """Bytes held by a params pytree (quantized weights count their int and scale bytes)."""
+    return int(sum(x.nbytes for x in jax.tree.leaves(params)))

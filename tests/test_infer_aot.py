@@ -1,0 +1,111 @@
+"""AOT compile of the sharded S2D generation on abstract shapes: the memory report's fields
+agree with the params and caches it holds; the CLI reports the 70B target (slow) and refuses
+meshes that do not fit with one error line."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from s2d_jax.aot import (CPU_NO_HOIST, GenerateSetup, accelerator_like_options,
+                         compile_generate, device_memory_bytes, format_report, memory_report)
+from s2d_jax.config import ModelConfig
+from s2d_jax.distributed import build_mesh
+from s2d_jax.errors import S2DError
+from s2d_jax.sharding import MeshConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
+
+
+def test_report_of_a_sharded_bf16_generation_matches_its_params_and_caches():
+    target = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
+                         num_heads=8, num_kv_heads=4, max_position_embeddings=512,
+                         dtype="bfloat16", param_dtype="bfloat16")
+    draft = dataclasses.replace(target, num_layers=3, num_kv_heads=8)
+    mesh = build_mesh(MeshConfig(data=2, tensor=4), {"target": target, "draft": draft})
+    setup = GenerateSetup.make(target, draft, (1, 2), batch=4, context=256, prompt_len=32,
+                               gamma=3)
+    assert setup.draft_cfg.num_layers == 2  # only the layers up to the deepest exit
+    options = accelerator_like_options([target, draft])
+    assert options == CPU_NO_HOIST
+    # Cheap LLVM settings: memory_analysis depends on the HLO buffer plan, not on codegen.
+    fast = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    compiled, _, t_compile = compile_generate(setup, mesh, {**options, **fast})
+    rep = memory_report(compiled, setup, mesh)
+    params = rep["target_params_per_device"] + rep["draft_params_per_device"]
+    # Arguments = this device's param shards (+ prompts, settings, key: a few hundred bytes).
+    assert params <= rep["argument"] <= params + 2048
+    assert params < (rep["target_params_total"] + rep["draft_params_total"]) / 3
+    # The output state holds both caches, each split 8 ways (rows over data, kv heads over
+    # tensor), plus small token/stat buffers.
+    caches = rep["target_cache_per_device"] + rep["draft_cache_per_device"]
+    assert rep["target_cache_total"] == 2 * 2 * 4 * 4 * 256 * 4 * 32  # k,v x bf16 x L B S K H
+    assert rep["target_cache_per_device"] * 8 == rep["target_cache_total"]
+    assert caches <= rep["output"] <= caches + 16384
+    assert rep["alias"] == 0 and rep["temp"] > 0
+    assert rep["peak_estimate"] == (rep["argument"] + rep["output"] + rep["temp"]
+                                    + rep["generated_code"])
+    lines = format_report(rep, device_memory_bytes("tpu-v5e-16gb"))
+    assert lines[-1].startswith("  fits 15.75 GiB per device: yes")
+    assert "NO" in format_report(rep, rep["peak_estimate"] - 1)[-1]
+    assert t_compile > 0
+
+
+def test_device_memory_presets_and_numbers():
+    assert device_memory_bytes("h100-80gb") == int(79.6 * GIB)
+    assert device_memory_bytes("24") == 24 * GIB
+    with pytest.raises(S2DError, match="unknown --device-memory 'h200'"):
+        device_memory_bytes("h200")
+
+
+def test_setup_refuses_a_context_beyond_the_target():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, max_position_embeddings=512)
+    with pytest.raises(S2DError, match="context 1024 exceeds the target's max_position"):
+        GenerateSetup.make(cfg, cfg, (1,), 1, 1024)
+
+
+def _cli(*args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "infer.aot", "--fake-devices", "8", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml",
+      "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide target.num_heads=4"),
+    (["--target", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
+      "data=2,tensor=2"], "error: mesh data=2 x fsdp=1 x tensor=2 = 4 devices, but 8 are"),
+    (["--target", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
+      "tensor=16"], "error: mesh data=1 x fsdp=1 x tensor=16 = 16 devices, but 8 are"),
+    (["--target", "configs/models/llama2-70b-chat.yaml", "--draft", "configs/models/tiny.yaml",
+      "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide draft.num_heads=4"),
+])
+def test_cli_refuses_a_mesh_that_does_not_fit_with_one_line(args, message):
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # one line
+    assert proc.stderr.startswith(message), proc.stderr
+
+
+@pytest.mark.slow
+def test_70b_target_with_12_layer_draft_compiles_on_8_devices():
+    """The paper-scale claim: Llama-2-70B + 12-layer Vicuna-7B draft, bf16, tensor=8."""
+    proc = _cli("--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+                "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--exits",
+                "6,9,12", "--mesh", "tensor=8", "--batch", "1,8", "--context", "4096",
+                "--dtype", "bfloat16", "--device-memory", "h100-80gb", "--check-gathers")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    print(out)
+    compiles = [float(x) for x in re.findall(r"compile ([\d.]+) s", out)]
+    args = [float(x) for x in re.findall(r"argument\s+([\d.]+) GiB", out)]
+    assert len(compiles) == 2 and len(args) == 2
+    assert max(compiles) < 60
+    assert max(args) * GIB <= 20e9
+    assert re.findall(r"whole-parameter all-gathers: (\d+)", out) == ["0", "0"]
+    assert out.count("fits 79.60 GiB per device: yes") == 2

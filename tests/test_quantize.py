@@ -1,0 +1,113 @@
+"""Weight-only int8 / int4 quantization: error bounds, packing, memory, and the quantized
+params running unchanged through model.py (scan slicing, layer ranges, tied/untied head)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from s2d_jax import model
+from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
+from s2d_jax.quantize import (QuantizedWeight, _pack_int4, _unpack_int4, params_nbytes,
+                              quantize_params, quantize_weight)
+
+CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, max_position_embeddings=64)
+
+
+def numpy_params(cfg, seed=0, std=0.05):
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, x):
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(x.shape, x.dtype)
+        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
+
+
+def test_int4_pack_roundtrip_covers_every_value():
+    vals = np.arange(-8, 8, dtype=np.int8)
+    q = jnp.asarray(np.stack([vals, vals[::-1]], axis=1).reshape(16, 2))  # [in=16, out=2]
+    packed = _pack_int4(q)
+    assert packed.dtype == jnp.uint8 and packed.shape == (8, 2)
+    np.testing.assert_array_equal(np.asarray(_unpack_int4(packed)), np.asarray(q))
+
+
+@pytest.mark.parametrize("bits,group", [(8, 0), (4, 16), (4, 64)])
+def test_error_is_within_half_a_step_of_its_group(bits, group):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 64, 4, 8)).astype(np.float32)  # [L, D | N, H] like wq
+    w[0, :, 1, 3] = 0.0  # an all-zero output channel must survive (scale fallback)
+    qw = quantize_weight(jnp.asarray(w), 1, bits, group, n_lead=1)
+    deq = np.asarray(qw.astype(jnp.float32))
+    assert deq.shape == w.shape
+    g = 64 if group == 0 else group
+    # Independent bound: half a quantization step of each (input group, output channel).
+    grouped = np.abs(w).reshape(2, 64 // g, g, 32).max(axis=2, keepdims=True)
+    step = grouped / (127 if bits == 8 else 7)
+    bound = np.broadcast_to(step / 2, (2, 64 // g, g, 32)).reshape(w.shape) * (1 + 1e-5)
+    err = np.abs(deq - w)
+    assert (err <= bound + 1e-7).all(), float((err - bound).max())
+    assert (deq[0, :, 1, 3] == 0).all()
+    # Not trivially exact: the rounding really happened.
+    assert err.max() > (1e-4 if bits == 8 else 1e-2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_memory_and_storage_sizes(tied):
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    params = numpy_params(cfg)
+    full = params_nbytes(params)
+    shapes = model.param_shapes(cfg)
+    n_quant = sum(np.prod(shapes["layers"][k]) for k in
+                  ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    n_quant += 0 if tied else np.prod(shapes["lm_head"])
+    rest = full - 4 * n_quant  # float32 bytes that stay unquantized (embed, norms)
+    for mode, per_weight in (("int8", 1.0), ("int4", 0.5)):
+        qp = quantize_params(params, mode, group=32)
+        qbytes = params_nbytes(qp)
+        scales = sum(x.scale.nbytes for x in jax.tree.leaves(
+            qp, is_leaf=lambda x: isinstance(x, QuantizedWeight)) if isinstance(x, QuantizedWeight))
+        assert qbytes == rest + per_weight * n_quant + scales, (mode, qbytes)
+        # One float32 scale per output channel (int8) or per 32 input rows (int4).
+        if mode == "int4":
+            assert scales == 4 * n_quant / 32
+        assert scales < (0.05 if mode == "int8" else 0.13) * 4 * n_quant
+        print(f"{mode} tied={tied}: {full} -> {qbytes} bytes ({qbytes / full:.2f}x)")
+    with pytest.raises(S2DError, match="unknown quantization"):
+        quantize_params(params, "int3")
+    with pytest.raises(S2DError, match="group"):
+        quantize_weight(jnp.ones((6, 4)), 1, 4, 4)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_params_run_through_the_model(tied):
+    """Forward (scan over stacked QuantizedWeight leaves), a layer range, and the greedy
+    agreement with full precision on teacher-forced random tokens."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
+    params = numpy_params(cfg, seed=2)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (8, 24)),
+                         jnp.int32)
+    fwd = jax.jit(lambda p, t: model.forward(p, cfg, t)[0])
+    ref = np.asarray(fwd(params, tokens))
+    agreement = {}
+    for mode in ("int8", "int4"):
+        qp = quantize_params(params, mode, group=32)
+        out = np.asarray(fwd(qp, tokens))
+        rel = np.abs(out - ref).max() / np.abs(ref).max()
+        agreement[mode] = float((out.argmax(-1) == ref.argmax(-1)).mean())
+        print(f"{mode} tied={tied}: max |logit error| / max |logit| = {rel:.4f}")
+        assert rel < (0.04 if mode == "int8" else 0.4), (mode, rel)
+        assert rel > 0  # the quantized model really is a different model
+        # A layer range of a quantized stack is a slice too (sorted-draft exits).
+        h = model.embed_tokens(qp, cfg, tokens)
+        pos = jnp.broadcast_to(jnp.arange(24), tokens.shape)
+        h1, _ = model.run_layers(qp, cfg, h, pos, 0, 1)
+        h2, _ = model.run_layers(qp, cfg, h1, pos, 1, 3)
+        np.testing.assert_allclose(np.asarray(model.lm_logits(qp, cfg, h2)), out, atol=1e-4)
+    print(f"greedy agreement vs full precision (tied={tied}): {agreement}")
+    assert agreement["int8"] >= 0.95 and agreement["int4"] >= 0.6, agreement
