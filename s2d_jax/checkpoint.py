@@ -41,6 +41,16 @@ def normalize_dtype(dtype) -> str:
     return name
 
 
+def _make_readable(root: str) -> None:
+    """mkdtemp creates 0700 dirs; give the finished output the usual 0755/0644 modes."""
+    os.chmod(root, 0o755)
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o644)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str, overwrite: bool = False):
     """Yield a temp dir next to `out_dir`; rename it to `out_dir` only if the block succeeds.
@@ -59,6 +69,7 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _make_readable(tmp)
     if os.path.lexists(out):
         old = tmp + ".old"
         os.rename(out, old)

@@ -1,0 +1,382 @@
+"""Build the demo model family: tokenizer, three targets and one sorted draft, on CPU.
+
+Stages (each can run alone; `all` runs them in order):
+  tokenizer: split tinyshakespeare by paragraphs (blank-line separated speeches) into the
+             first 90% (train) and last 10% (held out), train the byte-level BPE on the
+             train split, write the Spec-Bench-format prompt set from the held-out split.
+  targets:   plain LM training (one exit) of demo-s/m/l from random init, float32, then a
+             bfloat16 HF export to `<out>/target-{s,m,l}`.
+  draft:     the first 4 layers of the trained (float32) demo-s, SoFT-trained with exits
+             (2, 3, 4), exported in bfloat16 to `<out>/draft` (exits in config.json).
+  eval:      held-out NLL/perplexity per model and draft exit, draft-vs-target greedy
+             agreement, greedy samples through `transformers` (s2d_jax/demo_eval.py).
+Scratch files (splits, tokenizer, float32 exports, metrics) go to the run dir.
+`smoke=True` runs the same code on a small corpus slice with shrunk models and a few
+steps (tests). Every output is written to a temp path and renamed (`export_hf`), and all
+existing outputs are checked before anything is trained, so a refused run writes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import time
+
+import numpy as np
+
+from s2d_jax.errors import S2DError
+
+STAGES = ("tokenizer", "targets", "draft", "eval", "all")
+TARGETS = ("s", "m", "l")
+DRAFT_SOURCE = "s"  # the draft is initialised from this target's first layers
+# Training steps per target (16 x 256 tokens each; ~90 steps per epoch of the train split),
+# sized from step times measured on the shared 2-core CPU (~6.7 / 10 / 16.5 s per step for
+# s / m / l under load) so that the whole family trains in under an hour.
+TARGET_STEPS = {"s": 120, "m": 100, "l": 85}
+HELD_OUT_FRACTION = 0.1
+VOCAB_SIZE = 2048
+QUESTION_CATEGORIES = ("speaker", "line", "passage", "dialogue")
+QUESTIONS_PER_CATEGORY = 10
+# A speech in tinyshakespeare starts with its speaker tag on a line of its own.
+_SPEAKER_TAG = re.compile(r"^[A-Z][A-Za-z' .,-]*:$")
+_PARAGRAPH_SPLIT = re.compile(r"\n[ \t]*\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyPaths:
+    """Where every stage reads and writes (repo-relative defaults, see train/demo_family.py)."""
+
+    out: str  # models/demo
+    run_dir: str  # runs/demo_family (git-ignored scratch)
+    corpus: str = "data/tinyshakespeare.txt"
+    questions: str = "data/demo_questions.jsonl"
+    model_configs: str = "configs/models"  # demo-{s,m,l}.yaml
+    train_configs: str = "configs/train"  # demo_target.yaml, demo_draft.yaml
+
+    @property
+    def train_split(self) -> str:
+        return os.path.join(self.run_dir, "train.txt")
+
+    @property
+    def heldout_split(self) -> str:
+        return os.path.join(self.run_dir, "heldout.txt")
+
+    @property
+    def tokenizer(self) -> str:
+        return os.path.join(self.run_dir, "tokenizer")
+
+    def target(self, size: str) -> str:
+        return os.path.join(self.out, f"target-{size}")
+
+    def target_f32(self, size: str) -> str:
+        return os.path.join(self.run_dir, "float32", f"target-{size}")
+
+    @property
+    def draft(self) -> str:
+        return os.path.join(self.out, "draft")
+
+    @property
+    def draft_f32(self) -> str:
+        return os.path.join(self.run_dir, "float32", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SmokeSettings:
+    """A tiny version of the pipeline for tests: same code path, seconds instead of an hour."""
+
+    paragraphs: int = 400  # corpus slice
+    vocab_size: int = 320
+    # transformers 5 refuses hidden_size not divisible by the heads (3, 4, 6), even with
+    # an explicit head_dim: 48 suits all three.
+    model_overrides: tuple[str, ...] = ("hidden_size=48", "intermediate_size=64",
+                                        "head_dim=16", "max_position_embeddings=128")
+    # demo-s deeper than the draft (4 layers), so the draft is a strict prefix of it.
+    layers: tuple[tuple[str, int], ...] = (("s", 5), ("m", 5), ("l", 6))
+    train_overrides: tuple[str, ...] = ("data.seq_len=64", "data.batch_size=8",
+                                        "data.num_epochs=0", "optimizer.total_steps=3",
+                                        "optimizer.warmup_steps=1", "log_every=1")
+
+
+# --- outputs and overwrite checks ---------------------------------------------------------
+
+def stage_outputs(paths: FamilyPaths, stage: str) -> list[str]:
+    """The committed outputs a stage (re)writes; they are refused without overwrite."""
+    if stage == "tokenizer":
+        return [paths.questions]
+    if stage == "targets":
+        return [paths.target(s) for s in TARGETS]
+    if stage == "draft":
+        return [paths.draft]
+    if stage == "eval":
+        return []  # only writes run_dir/report-eval.json
+    return [p for s in STAGES[:-1] for p in stage_outputs(paths, s)]
+
+
+def check_outputs(paths: FamilyPaths, stage: str, overwrite: bool) -> None:
+    if stage not in STAGES:
+        raise S2DError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
+    existing = [p for p in stage_outputs(paths, stage) if os.path.lexists(p)]
+    if existing and not overwrite:
+        raise S2DError(f"{', '.join(existing)} already exist(s); pass --overwrite to rebuild "
+                       f"them or choose another --out")
+
+
+def _require(path: str, what: str) -> None:
+    if not os.path.exists(path):
+        raise S2DError(f"{path} not found ({what}); run the earlier stage first, e.g. "
+                       f"--stage all")
+
+
+# --- stage 1: splits, tokenizer, prompts -------------------------------------------------
+
+def read_paragraphs(corpus: str, limit: int | None = None) -> list[str]:
+    """Blank-line separated paragraphs (speeches) of the corpus, in order."""
+    if not os.path.isfile(corpus):
+        raise S2DError(f"corpus {corpus} not found; pass --corpus with a .txt file")
+    with open(corpus, encoding="utf-8") as f:
+        paras = [p.strip("\n") for p in _PARAGRAPH_SPLIT.split(f.read()) if p.strip()]
+    paras = paras[:limit] if limit else paras
+    if len(paras) < 20:
+        raise S2DError(f"corpus {corpus} has only {len(paras)} paragraphs; need at least 20")
+    return paras
+
+
+def split_paragraphs(paras: list[str]) -> tuple[list[str], list[str]]:
+    """First 90% for training, last 10% held out (deterministic, no shuffling: the held-out
+    speeches come from scenes the models never saw)."""
+    n_train = int(round(len(paras) * (1 - HELD_OUT_FRACTION)))
+    return paras[:n_train], paras[n_train:]
+
+
+def _write_text(path: str, text: str) -> None:
+    """Write via a temp file + rename, so a crash never leaves half a file at `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp) if os.path.exists(tmp) else None
+        raise
+
+
+def _speech(paragraph: str) -> tuple[str, list[str]] | None:
+    """(speaker tag, lines) if the paragraph is a speech, else None."""
+    lines = paragraph.split("\n")
+    if len(lines) < 2 or not _SPEAKER_TAG.match(lines[0]):
+        return None
+    return lines[0], lines[1:]
+
+
+def make_questions(held_out: list[str], seed: int = 0,
+                   per_category: int = QUESTIONS_PER_CATEGORY) -> list[dict]:
+    """Spec-Bench-format prompts from held-out speeches, 4 categories, seeded.
+
+    speaker: "TAG:\\n"; line: tag + first line; passage: tag + first 3 lines (speeches of
+    >= 4 lines, so the model continues mid-speech); dialogue: a whole speech + a blank line
+    + the next speaker's tag.
+    """
+    speeches = [(i, s) for i, s in ((i, _speech(p)) for i, p in enumerate(held_out)) if s]
+    rng = np.random.default_rng(seed)
+    candidates = {
+        "speaker": [i for i, _ in speeches],
+        "line": [i for i, _ in speeches],
+        "passage": [i for i, (_, lines) in speeches if len(lines) >= 4],
+        "dialogue": [i for i, (_, lines) in speeches
+                     if i + 1 < len(held_out) and _speech(held_out[i + 1])
+                     and len(lines) <= 8],
+    }
+    out, qid = [], 1
+    for cat in QUESTION_CATEGORIES:
+        pool = candidates[cat]
+        if len(pool) < per_category:
+            raise S2DError(f"held-out split has {len(pool)} speeches usable for the {cat!r} "
+                           f"prompts, need {per_category}; use a larger corpus")
+        for i in sorted(rng.choice(pool, size=per_category, replace=False).tolist()):
+            tag, lines = _speech(held_out[i])
+            if cat == "speaker":
+                text = f"{tag}\n"
+            elif cat == "line":
+                text = f"{tag}\n{lines[0]}\n"
+            elif cat == "passage":
+                text = f"{tag}\n" + "".join(f"{ln}\n" for ln in lines[:3])
+            else:
+                text = f"{held_out[i]}\n\n{_speech(held_out[i + 1])[0]}\n"
+            out.append({"question_id": qid, "category": cat, "turns": [text]})
+            qid += 1
+    return out
+
+
+def stage_tokenizer(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
+    from s2d_jax.bpe import train_bpe
+
+    paras = read_paragraphs(paths.corpus, smoke.paragraphs if smoke else None)
+    train, held_out = split_paragraphs(paras)
+    _write_text(paths.train_split, "\n\n".join(train) + "\n")
+    _write_text(paths.heldout_split, "\n\n".join(held_out) + "\n")
+    vocab = smoke.vocab_size if smoke else VOCAB_SIZE
+    train_bpe([paths.train_split], vocab, paths.tokenizer, overwrite=True)
+    questions = make_questions(held_out, per_category=2 if smoke else QUESTIONS_PER_CATEGORY)
+    _write_text(paths.questions, "".join(json.dumps(q) + "\n" for q in questions))
+    log(f"[tokenizer] {len(train)} train / {len(held_out)} held-out paragraphs, vocab {vocab}, "
+        f"{len(questions)} prompts -> {paths.questions}")
+    return {"train_paragraphs": len(train), "heldout_paragraphs": len(held_out),
+            "vocab_size": vocab, "questions": len(questions)}
+
+
+# --- stages 2 and 3: training ------------------------------------------------------------
+
+def _train_config(paths: FamilyPaths, yaml_name: str, model_path: str, export_dir: str,
+                  metrics: str, overrides: list[str]):
+    from s2d_jax.train_config import load_train_config
+
+    return load_train_config(os.path.join(paths.train_configs, yaml_name), [
+        f"model.path={model_path}", f"data.paths=[{paths.train_split}]",
+        f"data.tokenizer={paths.tokenizer}", f"export_dir={export_dir}",
+        "export_overwrite=true", f"metrics_path={metrics}", "checkpoint.dir=", *overrides])
+
+
+def _run_training(tc, log, name: str) -> dict:
+    import jax
+
+    from s2d_jax.trainer import train
+
+    if os.path.exists(tc.metrics_path):
+        os.remove(tc.metrics_path)  # the metrics log appends; start each build afresh
+    n_dev = tc.mesh.data * tc.mesh.fsdp * tc.mesh.tensor
+    t0 = time.perf_counter()
+    result = train(tc, devices=jax.devices()[:n_dev], progress=False)
+    elapsed = time.perf_counter() - t0
+    last = result["history"][-1]
+    losses = " ".join(f"exit{e}={v:.3f}" for e, v in last["exit_loss"].items())
+    log(f"[{name}] {last['step']} steps in {elapsed:.0f}s "
+        f"({elapsed / max(last['step'], 1):.2f}s/step), final train loss {losses}")
+    return {"steps": last["step"], "seconds": round(elapsed, 1),
+            "final_train_loss": last["exit_loss"]}
+
+
+def export_bfloat16(src: str, dst: str, overwrite: bool, is_draft: bool) -> int:
+    """Re-export an HF dir with bfloat16 weights (and compute dtype); returns its bytes.
+
+    The trainer records `s2d_exits` on every export; a target keeps none, so nothing
+    mistakes it for a one-exit draft.
+    """
+    import jax
+
+    from s2d_jax.checkpoint import load_model
+    from s2d_jax.hf import export_hf
+
+    cfg, params, extra = load_model(src, dtype="bfloat16")
+    if not is_draft:
+        extra = {k: v for k, v in extra.items() if k != "s2d_exits"}
+    export_hf(jax.device_get(params), cfg, dst, extra=extra, tokenizer_dir=src,
+              overwrite=overwrite)
+    return dir_bytes(dst)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+def _smoke_model_overrides(smoke: SmokeSettings | None, size: str) -> list[str]:
+    if not smoke:
+        return []
+    layers = dict(smoke.layers)[size]
+    items = [*smoke.model_overrides, f"num_layers={layers}", f"vocab_size={smoke.vocab_size}"]
+    return [f"model.overrides=[{','.join(items)}]", *smoke.train_overrides]
+
+
+def stage_targets(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bool,
+                  log=print) -> dict:
+    _require(paths.tokenizer, "the demo tokenizer")
+    _require(paths.train_split, "the train split")
+    report = {}
+    for size in TARGETS:
+        yaml = os.path.join(paths.model_configs, f"demo-{size}.yaml")
+        _require(yaml, f"model config of demo-{size}")
+        tc = _train_config(paths, "demo_target.yaml", yaml, paths.target_f32(size),
+                           os.path.join(paths.run_dir, f"metrics-target-{size}.jsonl"),
+                           [f"optimizer.total_steps={TARGET_STEPS[size]}",
+                            *_smoke_model_overrides(smoke, size)])
+        rep = _run_training(tc, log, f"target-{size}")
+        rep["bytes"] = export_bfloat16(paths.target_f32(size), paths.target(size), overwrite,
+                                       is_draft=False)
+        report[f"target-{size}"] = rep
+    return report
+
+
+def stage_draft(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bool,
+                log=print) -> dict:
+    src = paths.target_f32(DRAFT_SOURCE)
+    _require(src, f"the float32 target-{DRAFT_SOURCE} the draft starts from")
+    overrides = list(smoke.train_overrides) if smoke else []
+    tc = _train_config(paths, "demo_draft.yaml", src, paths.draft_f32,
+                       os.path.join(paths.run_dir, "metrics-draft.jsonl"), overrides)
+    rep = _run_training(tc, log, "draft")
+    rep["bytes"] = export_bfloat16(paths.draft_f32, paths.draft, overwrite, is_draft=True)
+    rep["exits"] = list(tc.draft.exits)
+    return {"draft": rep}
+
+
+def stage_eval(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
+    from s2d_jax import demo_eval
+
+    targets = {f"target-{s}": paths.target(s) for s in TARGETS}
+    for p in [*targets.values(), paths.draft, paths.heldout_split, paths.questions]:
+        _require(p, "an output of the earlier stages")
+    res = demo_eval.evaluate(targets, paths.draft, paths.heldout_split,
+                             seq_len=64 if smoke else 256)
+    log(f"[eval] held-out tokens: {res['tokens']}")
+    for name, m in res["models"].items():
+        log(f"[eval] {name}: held-out NLL {m['nll']:.3f} (ppl {m['ppl']:.1f})")
+    for e, m in res["draft"].items():
+        agree = " ".join(f"{t}={a:.3f}" for t, a in m["agree"].items())
+        log(f"[eval] draft exit {e}: held-out NLL {m['nll']:.3f} (ppl {m['ppl']:.1f}); "
+            f"greedy agreement with {agree}")
+    with open(paths.questions, encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+    per_cat = {}
+    for q in questions:  # first prompt of each category
+        per_cat.setdefault(q["category"], q["turns"][0])
+    prompts = list(per_cat.values())[:1 if smoke else 4]
+    res["samples"] = {}
+    for name, path in [*targets.items(), ("draft", paths.draft)]:
+        texts = demo_eval.greedy_samples(path, prompts, max_new_tokens=8 if smoke else 40)
+        res["samples"][name] = [{"prompt": p, "continuation": t} for p, t in zip(prompts, texts)]
+        for p, t in zip(prompts, texts):
+            log(f"[eval] {name} greedy | {p!r} -> {t!r}")
+    return res
+
+
+def build_family(paths: FamilyPaths, stage: str = "all", overwrite: bool = False,
+                 smoke: SmokeSettings | None = None, log=print) -> dict:
+    """Run `stage` (or all); returns a report dict (also written to run_dir/report.json)."""
+    check_outputs(paths, stage, overwrite)
+    os.makedirs(paths.run_dir, exist_ok=True)
+    report, t_all = {}, time.perf_counter()
+    runs = STAGES[:-1] if stage == "all" else (stage,)
+    for name in runs:
+        t0 = time.perf_counter()
+        if name == "tokenizer":
+            report["tokenizer"] = stage_tokenizer(paths, smoke, log)
+        elif name == "targets":
+            report.update(stage_targets(paths, smoke, overwrite, log))
+        elif name == "draft":
+            report.update(stage_draft(paths, smoke, overwrite, log))
+        else:
+            report["eval"] = stage_eval(paths, smoke, log)
+        log(f"[{name}] stage done in {time.perf_counter() - t0:.0f}s")
+    report["seconds"] = round(time.perf_counter() - t_all, 1)
+    models = [p for p in [*(paths.target(s) for s in TARGETS), paths.draft] if os.path.isdir(p)]
+    total = sum(dir_bytes(p) for p in models)
+    report["total_bytes"] = total
+    log(f"done in {report['seconds']:.0f}s; {len(models)} model dirs in {paths.out}: "
+        f"{total / 1e6:.1f} MB")
+    _write_text(os.path.join(paths.run_dir, f"report-{stage}.json"),
+                json.dumps(report, indent=2) + "\n")
+    return report
+
