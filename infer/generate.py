@@ -51,7 +51,8 @@ def parse_args(argv):
     ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit "
                     "in [0,1], e.g. 0.6,0.4,0 (default 0.5 each)")
     ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"))
-    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--gamma", type=int, default=None, help="draft tokens per round "
+                    "(default: the target's s2d_serving.json for s2d, else 4)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -139,8 +140,8 @@ def build_engine(args, targets: dict[str, str]):
         if tok.vocab_size > cfg.vocab_size:
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
-        specs[name] = TargetSpec(cfg, params, gamma=args.gamma, thresholds=thresholds,
-                                 tokenizer=tok)
+        gamma = 4 if args.gamma is None else args.gamma
+        specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok)
     draft_cfg = draft_params = draft_tok = None
     exits = None
     if args.method in ("sd", "s2d"):
@@ -154,14 +155,25 @@ def build_engine(args, targets: dict[str, str]):
         else:
             exits = (_ints(args.exits) if args.exits else
                      extra.get("s2d_exits") or [draft_cfg.num_layers])
+            if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
+                from s2d_jax.calibrate import load_serving_config
+                served = load_serving_config(next(iter(targets.values())))
+                if served is not None and served.get("exits"):
+                    exits = [int(e) for e in served["exits"]]
     elif args.method == "self":
         if args.exit is None:
             raise S2DError("method self needs --exit (how many target layers draft)")
         exits = [args.exit]
     if exits is not None and thresholds is None:
-        thresholds = [0.5] * (len(exits) - 1) + [0.0]
-        for s in specs.values():
-            s.thresholds = thresholds
+        from s2d_jax.calibrate import load_serving_config
+        for name, s in specs.items():
+            served = load_serving_config(targets[name]) if args.method == "s2d" else None
+            if served is not None and list(served.get("exits") or exits) == list(exits):
+                # calibrated by python -m infer.calibrate for this target and these exits
+                s.thresholds = served["thresholds"]
+                s.gamma = served["gamma"] if args.gamma is None else args.gamma
+            else:
+                s.thresholds = [0.5] * (len(exits) - 1) + [0.0]
     intermediates = _load_intermediates(args, specs)
     mus = _ints(args.mu) if args.mu else None
     engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,

@@ -55,7 +55,10 @@ def _scaled_filtered_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndar
     # Greedy still needs a proper distribution for confidence: use temperature 1 then.
     t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
     z = logits.astype(jnp.float32) / t
-    return filter_top_p(filter_top_k(z, sp.top_k), sp.top_p)
+    # Each filter sorts the vocabulary: skip it at run time when it is off (the usual
+    # case); on CPU the two sorts cost more than a small model's forward.
+    z = jax.lax.cond(sp.top_k > 0, filter_top_k, lambda x, _: x, z, sp.top_k)
+    return jax.lax.cond(sp.top_p < 1.0, filter_top_p, lambda x, _: x, z, sp.top_p)
 
 
 def probs_from_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:

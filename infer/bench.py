@@ -1,0 +1,179 @@
+"""Spec-Bench-style benchmark of AR / SD per exit / self-speculation / S2D on one or more
+targets sharing one sorted draft.
+
+    python -m infer.bench --targets s=models/demo/target-s l=models/demo/target-l \\
+        --draft models/demo/draft --max-prompts 8 --max-new-tokens 64 --out runs/bench
+
+Methods (--methods): ar, sd (one run per draft exit), self (the target's first k layers,
+--self-exit, default the draft's depth), s2d (the paper's 0.5/.../0 thresholds), s2d-cal
+(thresholds and gamma from TARGET_DIR/s2d_serving.json, see infer.calibrate; skipped with
+a note when absent). Every prompt runs every method back to back after a warm-up;
+compilation is excluded from tokens/s. Writes to --out: report.json, report.md (also
+printed), speedup.png, answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
+format). --hf-baseline also times HF transformers generate (plain, assisted), greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from s2d_jax.errors import S2DError, cli_main
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--targets", nargs="+", required=True, metavar="NAME=DIR")
+    ap.add_argument("--draft", default=None, help="sorted draft dir (exits from its config)")
+    ap.add_argument("--questions", default="data/demo_questions.jsonl")
+    ap.add_argument("--max-prompts", type=int, default=None)
+    ap.add_argument("--categories", default=None, help="comma-separated, default all")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal")
+    ap.add_argument("--self-exit", type=int, default=None)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (median)")
+    ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--out", default="runs/bench")
+    return ap.parse_args(argv)
+
+
+def _check_args(args):
+    from infer.generate import _floats, parse_targets
+    targets = parse_targets(args.targets)
+    for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
+        if not os.path.isdir(path):
+            raise S2DError(f"model dir {path} ({name}) does not exist")
+    temps = _floats(args.temperatures)
+    if not temps or any(t < 0 for t in temps):
+        raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")
+    for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--gamma", args.gamma),
+                    ("--repeats", args.repeats)):
+        if v < 1:
+            raise S2DError(f"{flag} must be >= 1, got {v}")
+    kinds = [k.strip() for k in args.methods.split(",") if k.strip()]
+    from s2d_jax.bench import METHOD_KINDS
+    bad = [k for k in kinds if k not in METHOD_KINDS]
+    if bad or not kinds:
+        raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
+                       f"{', '.join(METHOD_KINDS)}")
+    if args.draft is None and any(k in ("sd", "s2d", "s2d-cal") for k in kinds):
+        raise S2DError("methods sd / s2d / s2d-cal need --draft")
+    return targets, temps, kinds
+
+
+def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log):
+    import jax
+    from tqdm import tqdm
+
+    from s2d_jax import bench
+    from s2d_jax.calibrate import load_serving_config
+    from s2d_jax.checkpoint import load_model
+
+    cfg, params, _ = load_model(path, dtype=args.dtype)
+    if tok.vocab_size > cfg.vocab_size:
+        raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
+                       f"{cfg.vocab_size}; use the target's own tokenizer")
+    draft_cfg, draft_params, exits = draft or (None, None, ())
+    self_exit = args.self_exit or (min(max(exits), cfg.num_layers - 1) if exits
+                                   else cfg.num_layers // 4)
+    if self_exit < 1 or self_exit >= cfg.num_layers:
+        self_exit = None
+    specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma,
+                                      load_serving_config(path))
+    notes = [f"{name}: {n}" for n in notes]
+    width = bench.round_up(max(len(p) for p in prompts), 16)
+    g_max = max([s.gamma for s in specs] + [1])
+    max_len = bench.round_up(width + args.max_new_tokens + g_max + 1, 64)
+    context = min(cfg.max_position_embeddings, draft_cfg.max_position_embeddings
+                  if draft_cfg else cfg.max_position_embeddings)
+    if width + g_max + 2 > context:
+        raise S2DError(f"the longest prompt ({width} tokens padded) does not fit the context "
+                       f"of {context}; use --max-prompts / --categories with shorter prompts")
+    max_len = min(max_len, context)
+    decoders = bench.build_decoders(specs, cfg, params, draft_cfg, draft_params,
+                                    prompt_width=width, tokenizer=tok)
+    log(f"[{name}] {len(specs)} methods x {len(prompts)} prompts x T={temps} "
+        f"(compiling {len(specs)} generations first)")
+    eos = tok.eos_id if tok.eos_id is not None else -1
+    runs = bench.run_target(decoders, prompts, temperatures=temps,
+                            max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
+                            repeats=args.repeats,
+                            progress=lambda it: tqdm(it, desc=name, file=sys.stderr))
+    log(f"[{name}] measuring per-call costs")
+    costs = bench.measure_costs(decoders, specs, prompts[0],
+                                max_new_tokens=args.max_new_tokens)
+    cats = [q["category"] for q in questions]
+    results = bench.summarize_target(runs["runs"], cats, specs, costs)
+    out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
+           "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
+           "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],
+           "results": results}
+    return out, runs["runs"], notes
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    targets, temps, kinds = _check_args(args)
+    from s2d_jax import bench_report
+    from s2d_jax.prompts import encode_questions, read_questions
+    from s2d_jax.tokenizer import load_tokenizer
+
+    cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
+    questions = read_questions(args.questions, cats, args.max_prompts)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    tok = load_tokenizer(next(iter(targets.values())))
+    prompts = encode_questions(tok, questions, args.chat_template)
+    draft = None
+    if args.draft:
+        from s2d_jax.checkpoint import load_model
+        d_cfg, d_params, extra = load_model(args.draft, dtype=args.dtype)
+        draft = (d_cfg, d_params, tuple(extra.get("s2d_exits") or [d_cfg.num_layers]))
+    report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
+    report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds)
+    all_runs = {}
+    for name, path in targets.items():
+        tgt, runs, notes = bench_target(name, path, args, kinds=kinds, temps=temps,
+                                        questions=questions, prompts=prompts, tok=tok,
+                                        draft=draft, log=log)
+        report["targets"][name], all_runs[name] = tgt, runs
+        report["notes"] += notes
+        if args.hf_baseline:
+            from s2d_jax.hf_baseline import hf_baselines
+            log(f"[{name}] HF transformers generate (plain, assisted)")
+            ar = runs.get(0.0, {}).get("ar")
+            tgt["hf_baseline"] = hf_baselines(
+                path, args.draft, prompts, max_new_tokens=args.max_new_tokens,
+                eos_id=tok.eos_id, ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+    report["acceptance"] = bench_report.acceptance_checks(report)
+    report["notes"].append("tokens/s and speedups exclude compilation (compile_seconds); "
+                           "answer files' accept_lengths repeat each prompt's mean accepted "
+                           "length per round (per-round counts are not recorded)")
+    out = args.out
+    for name, runs in all_runs.items():
+        for t, per_method in runs.items():
+            for label, rows in per_method.items():
+                texts = [tok.decode(r["token_ids"]) for r in rows]
+                bench_report.write_answers(
+                    os.path.join(out, "answers", name, f"{label}-T{t:g}.jsonl"),
+                    bench_report.answer_rows(questions, rows, texts, f"{name}-{label}"))
+    table = bench_report.markdown_table(report)
+    bench_report.write_atomic(os.path.join(out, "report.json"), json.dumps(report, indent=2))
+    bench_report.write_atomic(os.path.join(out, "report.md"), table)
+    bench_report.plot(report, os.path.join(out, "speedup.png"))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Benchmark outputs: Markdown table, acceptance checks, Spec-Bench answer files, PNG plot.
+Every file is written to a temporary path in the output dir and renamed into place."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+
+def write_atomic(path: str, text: str | bytes) -> None:
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".bench-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fmt(x, digits=2, suffix=""):
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| target | T | method | tok/s | speedup vs AR | predicted | measured/pred | MAT "
+             "| exact match vs AR | exit usage |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, tgt in report["targets"].items():
+        for temp, methods in tgt["results"].items():
+            for label, m in methods.items():
+                usage = "/".join(f"{u:.2f}" for u in m["exit_usage_fraction"]) or "-"
+                lines.append(
+                    f"| {name} | {temp} | {label} | {_fmt(m['tokens_per_second'], 1)} | "
+                    f"{_fmt(m['speedup_vs_ar'], 2, 'x')} | {_fmt(m['predicted_speedup'], 2, 'x')} "
+                    f"| {_fmt(m['measured_over_predicted'])} | {_fmt(m['mean_accepted_tokens'])} "
+                    f"| {_fmt(m['exact_match_vs_ar'])} | {usage} |")
+        hf = tgt.get("hf_baseline")
+        if hf:
+            for label, h in hf.items():
+                if isinstance(h, dict) and "tokens_per_second" in h:
+                    lines.append(f"| {name} | 0.0 | HF {label} | {_fmt(h['tokens_per_second'], 1)} "
+                                 f"| - | - | - | - | {_fmt(h.get('exact_match_vs_ar'))} | - |")
+    out = "\n".join(lines) + "\n"
+    if report.get("acceptance"):
+        out += "\nAcceptance checks (greedy):\n\n" + "\n".join(
+            f"- {'PASS' if c['pass'] else 'FAIL'}: {c['check']} ({c['value']})"
+            for c in report["acceptance"]) + "\n"
+    if report.get("notes"):
+        out += "\nNotes:\n\n" + "\n".join(f"- {n}" for n in report["notes"]) + "\n"
+    return out
+
+
+def acceptance_checks(report: dict) -> list[dict]:
+    """The project's acceptance numbers, computed from the greedy results."""
+    checks = []
+    targets = report["targets"]
+    by_size = sorted(targets, key=lambda n: targets[n]["num_params"])
+
+    def best_s2d(g):
+        vals = [(m["speedup_vs_ar"], k) for k, m in g.items()
+                if m["method"] == "s2d" and m["speedup_vs_ar"]]
+        return max(vals) if vals else (None, None)
+
+    for name in by_size:
+        g = targets[name]["results"].get("0.0")
+        if not g:
+            continue
+        s2d, s2d_label = best_s2d(g)
+        if name == by_size[-1] and len(by_size) > 1 and s2d is not None:
+            checks.append({"check": f"largest target {name}: S2D speedup >= 2.0x",
+                           "value": f"{s2d:.2f}x ({s2d_label})", "pass": s2d >= 2.0})
+        if name == by_size[0] and s2d is not None:
+            checks.append({"check": f"smallest target {name}: S2D speedup >= 1.3x",
+                           "value": f"{s2d:.2f}x ({s2d_label})", "pass": s2d >= 1.3})
+        sd = [m["speedup_vs_ar"] for m in g.values() if m["method"] == "sd" and m["speedup_vs_ar"]]
+        if "s2d-cal" in g and sd:
+            cal = g["s2d-cal"]["speedup_vs_ar"]
+            checks.append({"check": f"{name}: S2D calibrated >= best single-exit SD",
+                           "value": f"{cal:.2f}x vs {max(sd):.2f}x", "pass": cal >= max(sd)})
+        exact = {k: m["exact_match_vs_ar"] for k, m in g.items()}
+        checks.append({"check": f"{name}: exact match vs AR = 1.0 for every method",
+                       "value": ", ".join(f"{k} {v:.2f}" for k, v in exact.items()),
+                       "pass": all(v == 1.0 for v in exact.values())})
+        for k, m in g.items():
+            if m["method"] == "s2d" and m["measured_over_predicted"] is not None:
+                r = m["measured_over_predicted"]
+                checks.append({"check": f"{name} {k}: measured/predicted speedup in [0.9, 1.1]",
+                               "value": f"{r:.2f}", "pass": 0.9 <= r <= 1.1})
+        hf = targets[name].get("hf_baseline") or {}
+        if s2d is not None and hf.get("assisted", {}).get("tokens_per_second"):
+            ours = g[s2d_label]["tokens_per_second"]
+            ratio = ours / hf["assisted"]["tokens_per_second"]
+            checks.append({"check": f"{name}: our S2D tok/s >= 2x HF assisted generation",
+                           "value": f"{ratio:.2f}x", "pass": ratio >= 2.0})
+    return checks
+
+
+def answer_rows(questions: list[dict], rows: list[dict], texts: list[str], model_id: str
+                ) -> list[dict]:
+    """Spec-Bench answer lines. accept_lengths: the engine keeps per-round accepted counts
+    only as totals, so each row holds its mean over rounds (rounds times)."""
+    out = []
+    for q, r, text in zip(questions, rows, texts):
+        s = r["stats"]
+        out.append({"question_id": q["question_id"], "category": q.get("category"),
+                    "model_id": model_id,
+                    "choices": [{"index": 0, "turns": [text], "decoding_steps": [s["rounds"]],
+                                 "new_tokens": [len(r["token_ids"])],
+                                 "wall_time": [r["seconds"]],
+                                 "accept_lengths": [s["mean_accepted_tokens"]] * s["rounds"]}]})
+    return out
+
+
+def write_answers(path: str, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def plot(report: dict, path: str) -> None:
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(report["targets"])
+    greedy = {n: report["targets"][n]["results"].get("0.0", {}) for n in targets}
+    labels = list(dict.fromkeys(k for g in greedy.values() for k in g))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(labels), 1)
+    for j, label in enumerate(labels):
+        vals = [greedy[n].get(label, {}).get("speedup_vs_ar") or 0.0 for n in targets]
+        ax1.bar([i + j * width for i in range(len(targets))], vals, width, label=label)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(targets))], targets)
+    ax1.set_ylabel("speedup vs AR (greedy)")
+    ax1.legend(fontsize=7)
+    bars = [(n, k, m["exit_usage_fraction"], m["exits"]) for n in targets
+            for k, m in greedy[n].items() if m["method"] == "s2d" and m["exit_usage_fraction"]]
+    seen = set()
+    for i, (n, k, frac, exits) in enumerate(bars):
+        bottom = 0.0
+        for f, e in zip(frac, exits):  # one colour per exit depth (layers)
+            ax2.bar(i, f, bottom=bottom, color=f"C{e % 10}",
+                    label=None if e in seen else f"exit at {e} layers")
+            seen.add(e)
+            bottom += f
+    ax2.set_xticks(range(len(bars)), [f"{n}\n{k}" for n, k, _, _ in bars], fontsize=7)
+    ax2.set_ylabel("share of drafted tokens")
+    ax2.set_title("S2D exit usage")
+    if bars:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())

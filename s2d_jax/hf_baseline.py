@@ -1,0 +1,64 @@
+"""The same prompts through HF `transformers` generate (PyTorch, CPU, float32, greedy), plain
+and with `assistant_model` (the draft dir loaded as a full-depth Llama), for comparison.
+One warm-up generation per mode; wall time per prompt; tokens/s over all prompts."""
+
+from __future__ import annotations
+
+import time
+
+
+def _load(path: str):
+    import torch
+    import transformers
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: int,
+                eos_id: int | None, assistant_dir: str | None = None, lm=None, assistant=None
+                ) -> dict:
+    """-> {"tokens_per_second", "new_tokens", "seconds", "token_ids": [...]} (greedy)."""
+    import torch
+
+    lm = lm if lm is not None else _load(target_dir)
+    if assistant_dir is not None and assistant is None:
+        assistant = _load(assistant_dir)
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False,
+              eos_token_id=eos_id if eos_id is not None and eos_id >= 0 else None,
+              pad_token_id=eos_id if eos_id is not None and eos_id >= 0 else 0)
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+
+    def run(ids):
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            t = time.perf_counter()
+            out = lm.generate(x, attention_mask=torch.ones_like(x), **kw)
+            return out[0, x.shape[1]:].tolist(), time.perf_counter() - t
+
+    run(prompts[0])  # warm-up
+    ids_all, seconds = [], 0.0
+    for p in prompts:
+        ids, s = run(p)
+        ids_all.append(ids)
+        seconds += s
+    n = sum(len(i) for i in ids_all)
+    return {"tokens_per_second": n / seconds if seconds > 0 else None, "new_tokens": n,
+            "seconds": seconds, "token_ids": ids_all}
+
+
+def hf_baselines(target_dir: str, draft_dir: str | None, prompts: list[list[int]], *,
+                 max_new_tokens: int, eos_id: int | None, ar_token_ids: list[list[int]] | None
+                 ) -> dict:
+    """{"plain": {...}, "assisted": {...}} with tokens/s and exact match vs our AR."""
+    lm = _load(target_dir)
+    out = {"plain": hf_generate(target_dir, prompts, max_new_tokens=max_new_tokens,
+                                eos_id=eos_id, lm=lm)}
+    if draft_dir is not None:
+        out["assisted"] = hf_generate(target_dir, prompts, max_new_tokens=max_new_tokens,
+                                      eos_id=eos_id, lm=lm, assistant=_load(draft_dir))
+    for res in out.values():
+        if ar_token_ids is not None:
+            res["exact_match_vs_ar"] = sum(
+                a == b for a, b in zip(res["token_ids"], ar_token_ids)) / len(ar_token_ids)
+        del res["token_ids"]
+    return out

@@ -1,0 +1,142 @@
+"""`python -m infer.bench` end to end on tiny random exported models (2 prompts, ar + s2d)."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from infer.bench import main
+from s2d_jax import bench, model, theory
+from s2d_jax.calibrate import SERVING_CONFIG
+from s2d_jax.config import ModelConfig
+from s2d_jax.hf import export_hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
+CFG = ModelConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_layers=3,
+                  num_heads=2, num_kv_heads=1, max_position_embeddings=128)
+
+
+def export_tiny_family(root):
+    """target (3 layers) + sorted draft = its first 2 layers with exits [1, 2]."""
+    rng = np.random.default_rng(0)
+
+    def leaf(path, x):
+        if "norm" in jax.tree_util.keystr(path):
+            return np.ones(x.shape, np.float32)
+        return (0.5 * rng.standard_normal(x.shape)).astype(np.float32)
+
+    target = jax.tree_util.tree_map_with_path(leaf, model.abstract_params(CFG))
+    export_hf(target, CFG, str(root / "target"), tokenizer_dir=TOKENIZER)
+    draft_cfg = ModelConfig(**{**CFG.__dict__, "num_layers": 2})
+    draft = dict(target, layers=jax.tree.map(lambda x: x[:2], target["layers"]))
+    export_hf(draft, draft_cfg, str(root / "draft"), extra={"s2d_exits": [1, 2]},
+              tokenizer_dir=TOKENIZER)
+    q = root / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                         for i, (c, t) in enumerate([("math", "What is 2+2?"),
+                                                     ("writing", "Say hi."),
+                                                     ("writing", "Unused third prompt.")])))
+    return root
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    return export_tiny_family(tmp_path_factory.mktemp("bench"))
+
+
+def test_bench_end_to_end_report_is_consistent(family, capsys):
+    out = family / "out"
+    (family / "target" / SERVING_CONFIG).write_text(json.dumps({"thresholds": [0.2, 0.0],
+                                                                 "gamma": 2}))
+    rc = main(["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+               "--questions", str(family / "q.jsonl"), "--max-prompts", "2",
+               "--methods", "ar,s2d,s2d-cal", "--temperatures", "0", "--max-new-tokens", "8",
+               "--gamma", "2", "--out", str(out)])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    res = rep["targets"]["t"]["results"]["0.0"]
+    assert set(res) == {"ar", "s2d-0.5", "s2d-cal"}
+    assert res["s2d-cal"]["thresholds"] == [0.2, 0.0] and res["s2d-cal"]["gamma"] == 2
+    for label, m in res.items():
+        for key in ("tokens_per_second", "speedup_vs_ar", "mean_accepted_tokens",
+                    "exact_match_vs_ar", "predicted_speedup", "per_category", "exit_usage"):
+            assert key in m, (label, key)
+        assert m["exact_match_vs_ar"] == 1.0  # greedy decoding is lossless
+        assert m["new_tokens"] == 16  # 2 prompts x 8 tokens (random weights: no EOS early)
+        assert m["tokens_per_second"] == pytest.approx(m["new_tokens"] / m["seconds"])
+        assert set(m["per_category"]) == {"math", "writing"}
+        assert m["mean_accepted_tokens"] >= 1.0
+    assert res["ar"]["speedup_vs_ar"] == 1.0 and res["ar"]["predicted_speedup"] == 1.0
+    for label in ("s2d-0.5", "s2d-cal"):
+        m = res[label]
+        assert m["speedup_vs_ar"] == pytest.approx(
+            m["tokens_per_second"] / res["ar"]["tokens_per_second"])
+        assert m["predicted_speedup"] > 0 and m["exit_usage"] and sum(m["exit_usage"]) > 0
+        assert m["mean_accepted_tokens"] <= m["gamma"] + 1
+        assert m["measured_over_predicted"] == pytest.approx(
+            m["speedup_vs_ar"] / m["predicted_speedup"])
+    costs = rep["targets"]["t"]["costs"]
+    assert set(costs["target_verify"]) == {"s2d-0.5", "s2d-cal"}
+    assert all(v > 0 for v in costs["target_verify"].values())
+    assert len(costs["draft_exits"]["s2d-0.5"]) == 2 and min(costs["draft_exits"]["s2d-0.5"]) > 0
+    # the prediction is theory.two_level on exactly these numbers
+    m = res["s2d-0.5"]
+    exp = theory.two_level(1 / res["ar"]["tokens_per_second"],
+                           costs["target_verify"]["s2d-0.5"], costs["draft_exits"]["s2d-0.5"],
+                           m["exit_usage"], m["mean_accepted_tokens"],
+                           m["draft_steps_per_round"])["predicted_speedup"]
+    assert m["predicted_speedup"] == pytest.approx(exp)
+    assert m["draft_steps_per_round"] == pytest.approx(sum(m["exit_usage"]) / m["rounds"])
+    answers = (out / "answers" / "t" / "s2d-cal-T0.jsonl").read_text().splitlines()
+    row = json.loads(answers[0])
+    assert row["model_id"] == "t-s2d-cal" and row["question_id"] == 0
+    assert row["choices"][0]["new_tokens"] == [8] and len(row["choices"][0]["turns"]) == 1
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "report.md").read_text()
+    assert "| t | 0.0 | s2d-cal |" in table and table in capsys.readouterr().out
+    assert any("exact match" in c["check"] and c["pass"] for c in rep["acceptance"])
+
+
+def test_method_specs_expand_and_skip():
+    specs, notes = bench.method_specs(["ar", "sd", "self", "s2d", "s2d-cal"], (2, 3, 4), 4,
+                                      5, None)
+    assert [s.label for s in specs] == ["ar", "sd@2", "sd@3", "sd@4", "self@4", "s2d-0.5"]
+    assert specs[-1].thresholds == (0.5, 0.5, 0.0) and specs[-1].gamma == 5
+    assert len(notes) == 1 and "s2d-cal skipped" in notes[0]
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
+    base = ["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+            "--questions", str(family / "q.jsonl"), "--out", str(tmp_path / "o")]
+    assert "does not exist" in _error(capsys, ["--targets", f"t={tmp_path / 'nope'}"] + base[2:])
+    assert "does not exist" in _error(capsys, base[:4] + ["--questions", str(tmp_path / "x")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": []}\n')
+    assert "turns" in _error(capsys, base[:4] + ["--questions", str(bad)])
+    assert "unknown method" in _error(capsys, base + ["--methods", "ar,medusa"])
+    assert "category" in _error(capsys, base + ["--categories", "poetry"])
+    assert "need --draft" in _error(capsys, base[:2] + base[4:] + ["--methods", "ar,sd"])
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_subprocess_error_exit_code(tmp_path):
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "infer.bench", "--targets",
+                           f"x={tmp_path / 'missing'}", "--methods", "ar"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: model dir {tmp_path / 'missing'} (x) does not exist"]

@@ -1,0 +1,134 @@
+"""Threshold calibration: the round replay by hand, the serving config, and the CLI."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from infer.calibrate import main
+from s2d_jax import calibrate
+from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
+from s2d_jax.hf import export_hf
+from s2d_jax import model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
+
+
+def _stats():
+    # 6 positions, 2 exits. exit 0 is right at positions 0, 1, 3; exit 1 everywhere but 4.
+    correct = np.array([[1, 1], [1, 1], [0, 1], [1, 1], [0, 0], [1, 1]], bool)
+    conf = np.array([[0.9, 0.5], [0.8, 0.5], [0.3, 0.5], [0.7, 0.5], [0.9, 0.5],
+                     [0.2, 0.5]], np.float32)
+    return calibrate.ExitStats((2, 4), [correct], [conf])
+
+
+def test_simulate_replays_rounds_by_hand():
+    st = _stats()
+    # threshold 0.5 at exit 0: exits used 0,0,1,0,0,1; ok = T,T,T,T,F,T.
+    # gamma 2: round@0 drafts 0,1 both ok -> +3 (k=3); round@3 drafts 3,4: 3 ok, 4 bad
+    # -> +2 (k=5); round@5 drafts 5 only (end) ok -> +2. MAT = 7/3, usage [4, 1]
+    # (drafted positions 0,1,3,4 at exit 0; 5 at exit 1; 2 was the target's bonus token).
+    sim = calibrate.simulate(st, [0.5, 0.0], 2)
+    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["exit_usage"] == [4, 1]
+    assert sim["draft_steps_per_round"] == pytest.approx(5 / 3)
+    # threshold 1 = never stop at exit 0: exit 1 everywhere, ok except position 4.
+    # gamma 3: round@0 drafts 0,1,2 all ok -> +4 (k=4); round@4 drafts 4,5: 4 bad -> +1
+    # (k=5); round@5 drafts 5 ok -> +2. MAT 7/3, usage [0, 6].
+    sim = calibrate.simulate(st, [1.0, 0.0], 3)
+    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["exit_usage"] == [0, 6]
+
+
+def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
+    correct = np.ones((40, 2), bool)
+    conf = np.full((40, 2), 0.9, np.float32)
+    st = calibrate.ExitStats((2, 4), [correct], [conf])
+    assert calibrate.exit_subsets((2, 4)) == [(4,), (2,), (2, 4)]
+    costs = {"target_verify": {"2": 1.2, "4": 1.4},
+             "exit_costs": {"2,4": [0.05, 0.2], "2": [0.04], "4": [0.15]}}
+    ranked = calibrate.rank_configs(st, costs, 1.0, [2, 4], values=[0.5, 1.0])
+    assert len(ranked) == 2 * (2 + 1 + 1)
+    best = ranked[0]
+    # exit 2 alone is always right and cheapest: vanilla SD at exit 2 with gamma 4 wins
+    assert best["exits"] == [2] and best["thresholds"] == [0.0] and best["gamma"] == 4
+    assert best["mean_accepted_tokens"] > 4  # all accepted: gamma + 1 but the short last round
+    exp = 1.0 * best["mean_accepted_tokens"] / (best["draft_steps_per_round"] * 0.04 + 1.4)
+    assert best["predicted_speedup"] == pytest.approx(exp)
+    s2d = next(r for r in ranked if r["exits"] == [2, 4])
+    assert s2d["thresholds"] == [0.5, 0.0] and s2d["exit_usage"][1] == 0
+    assert ranked[-1]["predicted_speedup"] < s2d["predicted_speedup"] < best["predicted_speedup"]
+    sub = st.select((4,))
+    assert sub.exits == (4,) and sub.correct[0].shape == (40, 1)
+
+
+def test_serving_config_roundtrip_and_refusals(tmp_path):
+    assert calibrate.load_serving_config(str(tmp_path)) is None
+    calibrate.write_serving_config(str(tmp_path), {"thresholds": [0.4, 0.0], "gamma": 3})
+    assert calibrate.load_serving_config(str(tmp_path))["thresholds"] == [0.4, 0.0]
+    assert [p.name for p in tmp_path.iterdir()] == [calibrate.SERVING_CONFIG]  # no temp left
+    (tmp_path / calibrate.SERVING_CONFIG).write_text('{"thresholds": [2.0], "gamma": 3}')
+    with pytest.raises(S2DError, match="outside"):
+        calibrate.load_serving_config(str(tmp_path))
+    (tmp_path / calibrate.SERVING_CONFIG).write_text("not json")
+    with pytest.raises(S2DError, match="not a valid serving config"):
+        calibrate.load_serving_config(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cal")
+    cfg = ModelConfig(vocab_size=32000, hidden_size=16, intermediate_size=32, num_layers=3,
+                      num_heads=2, num_kv_heads=1, max_position_embeddings=128)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: np.ones(x.shape, np.float32) if "norm" in jax.tree_util.keystr(p)
+        else (0.5 * rng.standard_normal(x.shape)).astype(np.float32), model.abstract_params(cfg))
+    export_hf(params, cfg, str(root / "target"), tokenizer_dir=TOKENIZER)
+    dcfg = ModelConfig(**{**cfg.__dict__, "num_layers": 2})
+    export_hf(dict(params, layers=jax.tree.map(lambda x: x[:2], params["layers"])), dcfg,
+              str(root / "draft"), extra={"s2d_exits": [1, 2]}, tokenizer_dir=TOKENIZER)
+    export_hf(dict(params, layers=jax.tree.map(lambda x: x[:2], params["layers"])), dcfg,
+              str(root / "single"), tokenizer_dir=TOKENIZER)
+    (root / "q.jsonl").write_text("".join(
+        json.dumps({"question_id": i, "category": "c", "turns": [t]}) + "\n"
+        for i, t in enumerate(["What is 2+2?", "Say hi."])))
+    return root
+
+
+@pytest.mark.slow  # ~45 s on the shared 2-core machine: a dozen engine compilations
+def test_calibrate_cli_writes_a_valid_config(family, capsys):
+    rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
+               "--questions", str(family / "q.jsonl"), "--max-new-tokens", "8",
+               "--gammas", "2", "--check", "1"])
+    assert rc == 0
+    cfg = calibrate.load_serving_config(str(family / "target"))
+    assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
+    assert set(cfg["exits"]) <= {1, 2} and len(cfg["thresholds"]) == len(cfg["exits"])
+    assert cfg["measured_speedup"] > 0
+    assert cfg["paper_thresholds_measured_speedup"] > 0
+    assert cfg["calibrated_on"]["prompts"] == 2
+    assert "x the speedup of 0.5" in capsys.readouterr().out
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
+    base = ["--target", str(family / "target"), "--questions", str(family / "q.jsonl")]
+    assert "does not exist" in _error(capsys, base + ["--draft", str(tmp_path / "nope")])
+    assert "gammas" in _error(capsys, base + ["--draft", str(family / "draft"), "--gammas", "0"])
+    assert "single exit" in _error(capsys, base + ["--draft", str(family / "single")])
+    assert "does not exist" in _error(capsys, ["--target", str(family / "target"), "--draft",
+                                               str(family / "draft"), "--questions",
+                                               str(tmp_path / "q.jsonl")])
