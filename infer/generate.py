@@ -101,24 +101,9 @@ def parse_targets(specs: list[str]) -> dict[str, str]:
 def read_requests(args) -> list[dict]:
     if args.prompt is not None:
         return [{"question_id": 0, "category": None, "text": args.prompt}]
-    if not os.path.isfile(args.prompts):
-        raise S2DError(f"prompts file {args.prompts} does not exist")
-    reqs = []
-    with open(args.prompts) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["turns"][0]
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise S2DError(f"{args.prompts}:{n} is not a JSON line with a non-empty "
-                               f"'turns' list (Spec-Bench / MT-bench format)")
-            reqs.append({"question_id": row.get("question_id", n), "category":
-                         row.get("category"), "target": row.get("target"), "text": text})
-    if not reqs:
-        raise S2DError(f"prompts file {args.prompts} holds no prompts")
-    return reqs
+    from s2d_jax.prompts import read_questions
+
+    return read_questions(args.prompts)
 
 
 def _has_tokenizer(path: str) -> bool:

@@ -9,8 +9,9 @@ from s2d_jax.errors import S2DError
 
 
 def read_questions(path: str, categories=None, max_prompts: int | None = None) -> list[dict]:
-    """[{question_id, category, text (first turn)}], filtered by category; with max_prompts,
-    the first N taken round-robin over the categories."""
+    """[{question_id, category, target, text (first turn)}], filtered by category; with
+    max_prompts, the first N taken round-robin over the categories. `target` is an optional
+    per-line field naming the target a multi-target engine routes the prompt to."""
     if not os.path.isfile(path):
         raise S2DError(f"questions file {path} does not exist")
     out = []
@@ -26,8 +27,8 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
             except (json.JSONDecodeError, KeyError, IndexError, TypeError):
                 raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list "
                                f"(Spec-Bench / MT-bench format)")
-            out.append({"question_id": row.get("question_id", n),
-                        "category": row.get("category"), "text": text})
+            out.append({"question_id": row.get("question_id", n), "category":
+                        row.get("category"), "target": row.get("target"), "text": text})
     if categories:
         known = sorted({str(q["category"]) for q in out})
         missing = [c for c in categories if c not in known]

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from s2d_jax import model
 from s2d_jax.config import ModelConfig
-from s2d_jax.sharding import RULES, MeshConfig, logical_to_sharding, make_mesh
+from s2d_jax.sharding import RULES, logical_to_sharding
 from s2d_jax.sorted_draft import soft_sums
 from s2d_jax.train_config import OptimizerConfig
 

@@ -9,7 +9,6 @@ import functools
 import numpy as np
 import pytest
 
-from s2d_jax.config import ModelConfig
 from s2d_jax.engine_state import SpecConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.quantize import quantize_params
