@@ -14,24 +14,12 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.engine_state import DecodeParams
 from s2d_jax.errors import S2DError
 from s2d_jax.serving import Decoder, Engine, TargetSpec, measure_time_split
+from tiny_models import numpy_params as numpy_init
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=96)
 PROMPTS = [[3, 4, 5, 6, 7, 8, 9], [9, 10], [11, 12, 13], [1]]
 NEW = 20
-
-
-def numpy_init(cfg, seed, std):
-    """Random params like model.init_params, drawn with numpy (compiling the jitted
-    threefry init takes ~8 s on this CPU; numpy takes milliseconds)."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, x):
-        if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(x.shape, x.dtype)
-        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,24 +21,12 @@ from s2d_jax import engine, model
 from s2d_jax.config import ModelConfig
 from s2d_jax.engine_state import DecodeParams, SpecConfig
 from s2d_jax.sampling import SamplingParams, probs_from_logits
+from tiny_models import numpy_params as numpy_init
 
 V, ROWS, NEW = 12, 20_000, 3
 CFG = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=3,
                   num_heads=2, num_kv_heads=1, max_position_embeddings=32)
 PROMPT = [1, 5, 7]
-
-
-def numpy_init(cfg, seed, std):
-    """Random params like model.init_params, drawn with numpy (compiling the jitted
-    threefry init takes ~8 s on this CPU; numpy takes milliseconds)."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, x):
-        if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(x.shape, x.dtype)
-        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,20 +13,10 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.quantize import (QuantizedWeight, _pack_int4, _unpack_int4, params_nbytes,
                               quantize_params, quantize_weight)
+from tiny_models import numpy_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=64)
-
-
-def numpy_params(cfg, seed=0, std=0.05):
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, x):
-        if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(x.shape, x.dtype)
-        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
 
 
 def test_int4_pack_roundtrip_covers_every_value():
