@@ -12,6 +12,7 @@ from s2d_jax import bench, model, theory
 from s2d_jax.calibrate import SERVING_CONFIG
 from s2d_jax.config import ModelConfig
 from s2d_jax.hf import export_hf
+from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
@@ -109,12 +110,7 @@ def test_method_specs_expand_and_skip():
 
 
 def _error(capsys, argv):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    return cli_error(main, capsys, argv)
 
 
 def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):

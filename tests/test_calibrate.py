@@ -13,6 +13,7 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.hf import export_hf
 from s2d_jax import model
+from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
@@ -116,12 +117,7 @@ def test_calibrate_cli_writes_a_valid_config(family, capsys):
 
 
 def _error(capsys, argv):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    return cli_error(main, capsys, argv)
 
 
 def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):

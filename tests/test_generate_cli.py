@@ -15,6 +15,7 @@ from s2d_jax import model
 from s2d_jax.config import ModelConfig
 from s2d_jax.hf import export_hf
 from s2d_jax.tokenizer import load_tokenizer
+from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "assets", "llama2_tokenizer")
@@ -87,12 +88,7 @@ def test_s2d_cli_writes_lossless_jsonl(models):
 
 
 def _error(capsys, argv):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
+    return cli_error(main, capsys, argv)
 
 
 def test_cli_bad_input_is_one_line_exit_2(models, capsys):

@@ -1,4 +1,4 @@
-"""Shared helpers for tests: random params of tiny models drawn on the host."""
+"""Shared helpers for tests: random params of tiny models drawn on the host, CLI errors."""
 
 import jax
 import jax.numpy as jnp
@@ -18,3 +18,16 @@ def numpy_params(cfg, seed=0, std=0.05):
         return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
 
     return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
+
+
+def cli_error(main, capsys, argv) -> str:
+    """Run a CLI `main(argv)` that must fail on bad input: exit 2 and exactly one
+    `error: ...` line on stderr, which is returned."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
