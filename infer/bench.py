@@ -11,6 +11,19 @@ a note when absent). Every prompt runs every method back to back after a warm-up
 compilation is excluded from tokens/s. Writes to --out: report.json, report.md (also
 printed), speedup.png, answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
 format). --hf-baseline also times HF transformers generate (plain, assisted), greedy.
+
+Polybasic chains (--chain NAME=MID[:int8|int4], repeatable): draft -> MID -> target NAME,
+where MID is int8 / int4 (the target's own weight-only quantization) or a model dir
+(optionally quantized), with the two-level S2D run's exits, thresholds and gamma and
+accumulation length --mu (default gamma). Each chain runs interleaved with the other
+methods, then: per-level acceptance and costs, Lemma 3.1 predicted vs measured, the
+insertion verdict (predicted helps/hurts vs measured faster/slower than two-level S2D), a
+greedy batch-4 exactness check, and for a quantized target its memory and its own greedy
+agreement with the target. Written under targets.NAME.chains in report.json and as tables
+in report.md; `python -m infer.insertion --report OUT/report.json` prints the inequality.
+
+    python -m infer.bench --targets l=models/demo/target-l --draft models/demo/draft \\
+        --methods ar,s2d,s2d-cal --chain l=int8 --chain l=models/demo/target-m
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ def parse_args(argv):
     ap.add_argument("--questions", default="data/demo_questions.jsonl")
     ap.add_argument("--max-prompts", type=int, default=None)
     ap.add_argument("--categories", default=None, help="comma-separated, default all")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal")
     ap.add_argument("--self-exit", type=int, default=None)
@@ -40,6 +53,12 @@ def parse_args(argv):
     ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--chain", action="append", default=[], metavar="NAME=MID[:int8|int4]",
+                    help="a 3-level chain on target NAME with intermediate MID: int8 / int4 "
+                    "(the quantized target) or a model dir (repeatable)")
+    ap.add_argument("--mu", type=int, default=None,
+                    help="the chains' accumulation length (default: gamma)")
+    ap.add_argument("--quant-group", type=int, default=64, help="int4 group size (rows)")
     ap.add_argument("--out", default="runs/bench")
     return ap.parse_args(argv)
 
@@ -65,14 +84,48 @@ def _check_args(args):
                        f"{', '.join(METHOD_KINDS)}")
     if args.draft is None and any(k in ("sd", "s2d", "s2d-cal") for k in kinds):
         raise S2DError("methods sd / s2d / s2d-cal need --draft")
-    return targets, temps, kinds
+    return targets, temps, kinds, _check_chains(args, targets, temps, kinds)
 
 
-def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log):
+def _check_chains(args, targets, temps, kinds) -> dict:
+    """--chain values -> {target name: [ChainSpec]}, checked before any model is loaded."""
+    from s2d_jax.bench_chain import parse_chain
+
+    if args.mu is not None and args.mu < 1:
+        raise S2DError(f"--mu must be >= 1, got {args.mu}")
+    if args.quant_group < 2:
+        raise S2DError(f"--quant-group must be >= 2, got {args.quant_group}")
+    if not args.chain:
+        if args.mu is not None:
+            raise S2DError("--mu needs a chain; pass --chain NAME=MID")
+        return {}
+    chains = {}
+    for text in args.chain:
+        c = parse_chain(text, args.mu)
+        if c.target not in targets:
+            raise S2DError(f"--chain {text}: unknown target {c.target!r}; known targets: "
+                           f"{', '.join(targets)}")
+        if c.intermediate and not os.path.isdir(c.intermediate):
+            raise S2DError(f"--chain {text}: model dir {c.intermediate} does not exist")
+        if any(o.label == c.label for o in chains.get(c.target, [])):
+            raise S2DError(f"--chain {text} repeats chain {c.label} on target {c.target}")
+        chains.setdefault(c.target, []).append(c)
+    if args.draft is None:
+        raise S2DError("--chain needs --draft (the chain's lowest level)")
+    if "ar" not in kinds or not {"s2d", "s2d-cal"} & set(kinds):
+        raise S2DError("--chain compares with AR and two-level S2D; include ar and s2d (or "
+                       "s2d-cal) in --methods")
+    if 0.0 not in temps:
+        raise S2DError("--chain checks greedy exactness; include 0 in --temperatures")
+    return chains
+
+
+def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log,
+                 chains=()):
     import jax
     from tqdm import tqdm
 
-    from s2d_jax import bench
+    from s2d_jax import bench, bench_chain
     from s2d_jax.calibrate import load_serving_config
     from s2d_jax.checkpoint import load_model
 
@@ -88,19 +141,34 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma,
                                       load_serving_config(path))
     notes = [f"{name}: {n}" for n in notes]
+    chain_specs, mids, baseline = [], {}, None
+    if chains:
+        baseline = bench_chain.pick_baseline(specs)
+        for c in chains:
+            log(f"[{name}] loading chain intermediate {c.describe}")
+            mids[c.label] = bench_chain.load_intermediate(c, cfg, params, dtype=args.dtype,
+                                                          quant_group=args.quant_group)
+            chain_specs.append(bench_chain.chain_method_spec(c, baseline))
     width = bench.round_up(max(len(p) for p in prompts), 16)
-    g_max = max([s.gamma for s in specs] + [1])
+    # the longest block a round verifies: gamma, or gamma + mu for a chain
+    g_max = max([s.gamma for s in specs] + [1]
+                + [baseline.gamma + bench_chain.chain_mu(c, baseline) for c in chains])
     max_len = bench.round_up(width + args.max_new_tokens + g_max + 1, 64)
-    context = min(cfg.max_position_embeddings, draft_cfg.max_position_embeddings
-                  if draft_cfg else cfg.max_position_embeddings)
+    context = min([cfg.max_position_embeddings]
+                  + ([draft_cfg.max_position_embeddings] if draft_cfg else [])
+                  + [m[0].max_position_embeddings for m in mids.values()])
     if width + g_max + 2 > context:
         raise S2DError(f"the longest prompt ({width} tokens padded) does not fit the context "
                        f"of {context}; use --max-prompts / --categories with shorter prompts")
     max_len = min(max_len, context)
     decoders = bench.build_decoders(specs, cfg, params, draft_cfg, draft_params,
                                     prompt_width=width, tokenizer=tok)
-    log(f"[{name}] {len(specs)} methods x {len(prompts)} prompts x T={temps} "
-        f"(compiling {len(specs)} generations first)")
+    for c in chains:
+        decoders[c.label] = bench_chain.build_chain_decoder(
+            c, mids[c.label], baseline, cfg, params, draft_cfg, draft_params,
+            prompt_width=width, tokenizer=tok)
+    log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
+        f"(compiling {len(decoders)} generations first)")
     eos = tok.eos_id if tok.eos_id is not None else -1
     runs = bench.run_target(decoders, prompts, temperatures=temps,
                             max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
@@ -108,20 +176,26 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr))
     log(f"[{name}] measuring per-call costs")
     costs = bench.measure_costs(decoders, specs, prompts[0],
-                                max_new_tokens=args.max_new_tokens)
+                                max_new_tokens=args.max_new_tokens, temperatures=temps)
     cats = [q["category"] for q in questions]
-    results = bench.summarize_target(runs["runs"], cats, specs, costs)
+    results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
            "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
            "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],
            "results": results}
+    if chains:
+        out["chains"] = bench_chain.bench_chains(
+            list(chains), mids, decoders, baseline, runs["runs"], results,
+            costs["draft_exits"][baseline.label], prompts=prompts, target_cfg=cfg,
+            target_params=params, prompt_width=width, max_len=max_len,
+            max_new_tokens=args.max_new_tokens, eos_id=eos, log=log)
     return out, runs["runs"], notes
 
 
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
-    targets, temps, kinds = _check_args(args)
+    targets, temps, kinds, chains = _check_args(args)
     from s2d_jax import bench_report
     from s2d_jax.prompts import encode_questions, read_questions
     from s2d_jax.tokenizer import load_tokenizer
@@ -145,7 +219,7 @@ def main(argv=None):
     for name, path in targets.items():
         tgt, runs, notes = bench_target(name, path, args, kinds=kinds, temps=temps,
                                         questions=questions, prompts=prompts, tok=tok,
-                                        draft=draft, log=log)
+                                        draft=draft, log=log, chains=chains.get(name, ()))
         report["targets"][name], all_runs[name] = tgt, runs
         report["notes"] += notes
         if args.hf_baseline:
@@ -155,6 +229,13 @@ def main(argv=None):
             tgt["hf_baseline"] = hf_baselines(
                 path, args.draft, prompts, max_new_tokens=args.max_new_tokens,
                 eos_id=tok.eos_id, ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+        # Drop this target's executables: each holds JIT code pages, and a few hundred of
+        # them (3 targets x methods x temperatures x cost probes) exhaust LLVM's section
+        # memory ("Unable to allocate section memory") in one process.
+        import gc
+        import jax
+        jax.clear_caches()
+        gc.collect()
     report["acceptance"] = bench_report.acceptance_checks(report)
     report["notes"].append("tokens/s and speedups exclude compilation (compile_seconds); "
                            "answer files' accept_lengths repeat each prompt's mean accepted "

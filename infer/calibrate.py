@@ -1,7 +1,7 @@
 """Calibrate S2D per-exit thresholds and gamma for a target; write TARGET_DIR/s2d_serving.json.
 
     python -m infer.calibrate --target l=models/demo/target-l --draft models/demo/draft \\
-        --questions data/demo_questions.jsonl --max-prompts 16
+        --questions data/demo_calibration.jsonl --max-prompts 16
 
 Greedy trajectories of the target + one draft pass give per-exit acceptance; a grid of
 thresholds x gammas is ranked by the predicted speedup (Lemma 3.1 with measured costs);
@@ -23,10 +23,11 @@ def parse_args(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, metavar="[NAME=]DIR")
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--questions", default="data/demo_questions.jsonl")
+    ap.add_argument("--questions", default="data/demo_calibration.jsonl",
+                    help="held-in prompts (default: training speeches of the demo family)")
     ap.add_argument("--max-prompts", type=int, default=16)
     ap.add_argument("--categories", default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gammas", default="2,3,4,5,6")
     ap.add_argument("--check", type=int, default=3, help="best predicted configs to measure")
     ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
@@ -129,13 +130,20 @@ def main(argv=None):
     candidates = {"paper": bench.MethodSpec("paper", "s2d", exits,
                                             tuple(bench.paper_thresholds(len(exits))), paper_g)}
     # the best few predicted, plus the best single exit (vanilla SD) so the measured check
-    # always covers the SD fallback
-    picks = ranked[:args.check] + [r for r in ranked if len(r["exits"]) == 1][:1]
+    # always covers the SD fallback, plus for every gamma the best predicted single exit
+    # and the best with all exits: the phase
+    # costs misjudge how a round's cost grows with gamma (the loop pays per-call costs
+    # differently), so the choice of gamma is left to measurement
+    picks = (ranked[:args.check] + [r for r in ranked if len(r["exits"]) == 1][:1]
+             + [next(r for r in ranked if r["gamma"] == g and len(r["exits"]) == k)
+                for g in gammas for k in (1, len(exits))
+                if any(r["gamma"] == g and len(r["exits"]) == k for r in ranked)])
     for i, r in enumerate(picks):
         key = (tuple(r["exits"]), tuple(r["thresholds"]), r["gamma"])
         if key not in {(c.exits, c.thresholds, c.gamma) for c in candidates.values()}:
             candidates[f"cand{i}"] = bench.MethodSpec(f"cand{i}", "s2d", *key)
-    log(f"[{name}] measuring the best {args.check} predicted configs and 0.5/.../0")
+    log(f"[{name}] measuring the best {args.check} predicted configs, the best of each gamma "
+        f"and 0.5/.../0")
     decs = bench.build_decoders([ar_spec] + list(candidates.values()), cfg, params, d_cfg,
                                 d_params, prompt_width=width)
     measured, _ = _measure(decs, prompts, args.max_new_tokens, max_len, eos)

@@ -188,25 +188,38 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                      "exits": list(by_label[label].exits), "gamma": by_label[label].gamma,
                      "thresholds": (list(by_label[label].thresholds)
                                     if by_label[label].thresholds else None)}
-            entry.update(predict(entry, costs, label, ar_agg))
+            entry.update(predict(entry, costs, label, ar_agg, str(t), len(rows)))
             res[label] = entry
         out[str(t)] = res
     return out
 
 
-def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None) -> dict:
-    """predicted_speedup from theory.two_level with measured costs and this run's MAT, exit
-    usage and draft steps per round. T_target(1) is the measured AR time per token (an AR
-    round is the engine's verify phase on one token, plus the prefill's share)."""
+def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None,
+            temperature: str = "0.0", prompts: int = 1) -> dict:
+    """predicted_speedup from the time model with measured costs and this run's rounds and
+    exit usage: theory.loop_speedup on in-loop round costs (costs["loop"], loop_costs.py)
+    when measured, else theory.two_level on separately timed phases, with T_target(1) the
+    measured AR time per token."""
     if label == "ar":
         return {"predicted_speedup": 1.0, "measured_over_predicted": 1.0}
-    if (costs is None or ar_agg is None or not ar_agg["tokens_per_second"]
-            or label not in costs["draft_exits"]
+    loop = (costs or {}).get("loop", {}).get(temperature, {})
+    if label in loop and ar_agg and ar_agg["tokens_per_second"] and entry["rounds"]:
+        # T_AR: the measured AR time per token (its in-loop steady state underestimates a
+        # short generation's AR time on this CPU; see loop_costs.py).
+        usage = entry["exit_usage"] if any(entry["exit_usage"]) else [1.0]
+        pred = theory.loop_speedup(1.0 / ar_agg["tokens_per_second"], 0.0,
+                                   loop[label]["round_s"], usage, loop[label]["prefill_s"],
+                                   prompts=prompts, tokens=entry["new_tokens"],
+                                   rounds=entry["rounds"])
+    elif (costs is None or ar_agg is None or not ar_agg["tokens_per_second"]
+            or label not in costs.get("draft_exits", {})
             or not entry["mean_accepted_tokens"] or not entry["draft_steps_per_round"]):
         return {"predicted_speedup": None, "measured_over_predicted": None}
-    pred = theory.two_level(1.0 / ar_agg["tokens_per_second"], costs["target_verify"][label],
-                            costs["draft_exits"][label], entry["exit_usage"],
-                            entry["mean_accepted_tokens"], entry["draft_steps_per_round"])
+    else:
+        pred = theory.two_level(1.0 / ar_agg["tokens_per_second"],
+                                costs["target_verify"][label], costs["draft_exits"][label],
+                                entry["exit_usage"], entry["mean_accepted_tokens"],
+                                entry["draft_steps_per_round"])
     ratio = (entry["speedup_vs_ar"] / pred["predicted_speedup"]
              if entry["speedup_vs_ar"] else None)
     return {"predicted_speedup": pred["predicted_speedup"], "measured_over_predicted": ratio,
@@ -214,30 +227,41 @@ def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None) ->
 
 
 def phase_costs(decoder: Decoder, prompt: list[int], *, max_new_tokens: int, reps: int = 4,
-                trials: int = 3) -> tuple[list[float], float]:
+                trials: int = 3, temperature: float = 0.0) -> tuple[list[float], float]:
     """(seconds per draft step stopping at each exit, seconds per verification of gamma + 1
     tokens), timed on the engine's own draft and verify phases (serving.measure_time_split,
     one jit each; thresholds are traced, so forcing each exit does not recompile). A
     threshold of 1 never stops at an exit, 0 always does. Best of `trials` means of `reps`
-    calls: on a shared machine the minimum is the stable statistic."""
+    calls: on a shared machine the minimum is the stable statistic. Greedy and sampling
+    are different programs (sampling.py), so costs are per temperature kind."""
     m, gamma = len(decoder.spec_base.exits), decoder.spec_base.gamma
     steps, verify = [], []
     for j in range(m):
         th = [1.0] * j + [0.0] * (m - j)
         splits = [measure_time_split(decoder, [prompt], max_new_tokens=max_new_tokens,
-                                     reps=reps, thresholds=th) for _ in range(trials)]
+                                     reps=reps, thresholds=th, temperature=temperature)
+                  for _ in range(trials)]
         steps.append(min(s["draft_s_per_round"] for s in splits) / gamma)
         verify.append(min(s["verify_s_per_round"] for s in splits))
     return steps, min(verify)
 
 
 def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
-                  max_new_tokens: int) -> dict:
-    """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}."""
-    costs = {"draft_exits": {}, "target_verify": {}}
+                  max_new_tokens: int, temperatures: Sequence[float] = (0.0,)) -> dict:
+    """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}
+    (separately jitted phases, greedy: the split of a round), and "loop": {temperature:
+    {label: {"prefill_s", "round_s": [per forced exit]}}} timed inside the decode loop
+    (loop_costs.py; greedy and sampling are different programs), used for predictions."""
+    from s2d_jax.loop_costs import loop_costs
+
+    costs = {"draft_exits": {}, "target_verify": {}, "loop": {}}
     for s in specs:
         if s.method != "ar":
             steps, verify = phase_costs(decoders[s.label], prompt,
                                         max_new_tokens=max_new_tokens)
             costs["draft_exits"][s.label], costs["target_verify"][s.label] = steps, verify
+    for t in temperatures:
+        costs["loop"][str(float(t))] = {
+            s.label: loop_costs(decoders[s.label], prompt, temperature=float(t))
+            for s in specs}
     return costs

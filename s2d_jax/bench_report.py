@@ -46,6 +46,7 @@ def markdown_table(report: dict) -> str:
                     lines.append(f"| {name} | 0.0 | HF {label} | {_fmt(h['tokens_per_second'], 1)} "
                                  f"| - | - | - | - | {_fmt(h.get('exact_match_vs_ar'))} | - |")
     out = "\n".join(lines) + "\n"
+    out += chain_tables(report)
     if report.get("acceptance"):
         out += "\nAcceptance checks (greedy):\n\n" + "\n".join(
             f"- {'PASS' if c['pass'] else 'FAIL'}: {c['check']} ({c['value']})"
@@ -53,6 +54,93 @@ def markdown_table(report: dict) -> str:
     if report.get("notes"):
         out += "\nNotes:\n\n" + "\n".join(f"- {n}" for n in report["notes"]) + "\n"
     return out
+
+
+def _ms(x):
+    return _fmt(None if x is None else 1e3 * x, 3)
+
+
+def chain_tables(report: dict) -> str:
+    """Markdown for the polybasic chains (targets.NAME.chains, see bench_chain.py): speed
+    and the insertion verdict, per-level statistics, quantized intermediates."""
+    chains = [(name, label, c) for name, tgt in report["targets"].items()
+              for label, c in (tgt.get("chains") or {}).items()]
+    if not chains:
+        return ""
+    main = ["", "Polybasic chains (draft -> intermediate -> target) vs two-level S2D. "
+            "Lemma 3.1 time per token T/N = sum_i T_i/L_i + beta T_n/L_{n-1} (M_1 = target, "
+            "L_i = N/F_i measured); verdict = predicted helps/hurts vs measured "
+            "faster/slower than the two-level run.", "",
+            "| target | T | chain | mu | tok/s | speedup vs AR | predicted | vs 2-level "
+            "(measured) | predicted gain | s/token pred before -> after | verdict | "
+            "exact b1 | exact b4 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    levels = ["", "Chain levels (T_i: measured seconds per call; L = N/F tokens per call):",
+              "", "| target | T | chain | level | verifies | acceptance | out/call | L = N/F "
+              "| T_i ms/call | calls |", "|---|---|---|---|---|---|---|---|---|---|"]
+    quant = []
+    for name, label, c in chains:
+        for temp, e in c["by_temperature"].items():
+            ins = e["insertion"]
+            verdict = f"{ins['predicted']} / {ins['measured'] or '-'}"
+            if ins["agrees"] is not None:
+                verdict += " (agree)" if ins["agrees"] else " (DISAGREE)"
+            b4 = c.get("batch4", {}).get("exact_match_vs_ar") if temp == "0.0" else None
+            main.append(
+                f"| {name} | {temp} | {label} | {c['mu']} | {_fmt(e['tokens_per_second'], 1)} "
+                f"| {_fmt(e['speedup_vs_ar'], 2, 'x')} | {_fmt(e['predicted_speedup'], 2, 'x')} "
+                f"| {_fmt(e['speedup_vs_2level'], 2, 'x')} "
+                f"| {_fmt(ins['predicted_gain'], 2, 'x')} "
+                f"| {ins['before']['time_per_token_s']:.2e} -> "
+                f"{ins['after']['time_per_token_s']:.2e} | {verdict} "
+                f"| {_fmt(e['exact_match_vs_ar'])} | {_fmt(b4)} |")
+            after = ins["after"]
+            level_costs = after["costs"][-2::-1]  # verifiers in chain order (lowest first)
+            levels.append(f"| {name} | {temp} | {label} | draft | - | - | - | - | "
+                          f"{_ms(after['costs'][-1])} (step) | beta {after['beta']:.2f} |")
+            for lv, cost in zip(e["levels"], level_costs):
+                levels.append(
+                    f"| {name} | {temp} | {label} | {lv['level']} | {lv['verifies']} "
+                    f"| {_fmt(lv['acceptance_rate'])} | {_fmt(lv['accept_length_per_call'])} "
+                    f"| {_fmt(lv['tokens_per_call'])} | {_ms(cost)} | {int(lv['calls'])} |")
+        q = c.get("quantized")
+        if q:
+            quant.append(
+                f"| {name} | {label} | {q['mode']} | {q['params_bytes'] / 1e6:.2f} / "
+                f"{q['full_precision_params_bytes'] / 1e6:.2f} ({q['full_precision_dtype']}) "
+                f"| {q['bytes_saved'] / 1e6:.2f} ({1 - q['fraction_of_full']:.0%}) "
+                f"| {_fmt(q.get('identical_fraction'))} | {_fmt(q.get('mean_prefix_match'))} |")
+    out = "\n".join(main + levels) + "\n"
+    if quant:
+        out += "\n".join(["", "Quantized intermediates (weight-only; greedy AR of the quantized "
+                          "target vs the full-precision target on the bench prompts):", "",
+                          "| target | chain | mode | params MB quantized / full | MB saved | "
+                          "AR identical | mean prefix match |",
+                          "|---|---|---|---|---|---|---|"] + quant) + "\n"
+    return out
+
+
+def chain_checks(report: dict) -> list[dict]:
+    """Issue 7's acceptance numbers: greedy exactness of each chain at batch 4 (batch 1 is
+    in the every-method check) and the insertion verdict agreeing with the measurement."""
+    checks = []
+    for name, tgt in report["targets"].items():
+        for label, c in (tgt.get("chains") or {}).items():
+            b4 = c.get("batch4") or {}
+            if b4.get("exact_match_vs_ar") is not None:
+                checks.append({"check": f"{name} {label}: greedy exact match vs AR at batch "
+                                        f"{b4['batch_size']} = 1.0",
+                               "value": f"{b4['exact_match_vs_ar']:.2f}",
+                               "pass": b4["exact_match_vs_ar"] == 1.0})
+            e = c["by_temperature"].get("0.0")
+            if e and e["insertion"]["agrees"] is not None:
+                ins = e["insertion"]
+                checks.append({"check": f"{name} {label}: insertion predicted {ins['predicted']}"
+                                        f" agrees with measured {ins['measured']}",
+                               "value": f"predicted {ins['predicted_gain']:.2f}x, measured "
+                                        f"{ins['measured_gain']:.2f}x vs {c['baseline']}",
+                               "pass": ins["agrees"]})
+    return checks
 
 
 def acceptance_checks(report: dict) -> list[dict]:
@@ -97,7 +185,7 @@ def acceptance_checks(report: dict) -> list[dict]:
             ratio = ours / hf["assisted"]["tokens_per_second"]
             checks.append({"check": f"{name}: our S2D tok/s >= 2x HF assisted generation",
                            "value": f"{ratio:.2f}x", "pass": ratio >= 2.0})
-    return checks
+    return checks + chain_checks(report)
 
 
 def answer_rows(questions: list[dict], rows: list[dict], texts: list[str], model_id: str

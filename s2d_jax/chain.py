@@ -113,7 +113,7 @@ def draft_block(ctx: RoundCtx, rows, round_key, draft_params, dp, *, draft_cfg, 
         return (dcache, d, active & (c >= dp.stop_threshold)), (d, q, e, active)
 
     (dcache, _, _), (ds, qs, es, act) = jax.lax.scan(
-        body, (dcache, d0, active0), jnp.arange(1, G, dtype=jnp.int32))
+        body, (dcache, d0, active0), jnp.arange(1, G, dtype=jnp.int32), unroll=True)
     drafts = jnp.concatenate([d0[:, None], ds.T], axis=1)
     q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     exit_idx = jnp.concatenate([e0[:, None], es.T], axis=1)
@@ -143,7 +143,7 @@ def verify_block(ctx: RoundCtx, level: int, q, num_proposed, exit_idx, rows, rou
     toks = jnp.take_along_axis(ctx.work, pos, axis=1)
     logits, cache = model.forward(params, cfg, toks, pos, ctx.caches[level])
     p = probs_from_logits(logits[:, W - 1:], dp.sampling)
-    n, nxt = speculative_verify(key, toks[:, W:], q, p, num_proposed)
+    n, nxt = speculative_verify(key, toks[:, W:], q, p, num_proposed, dp.sampling.greedy)
 
     live = rows.astype(jnp.int32)
     caches = tuple(ctx.caches[:level]) + (cache,) + tuple(ctx.caches[level + 1:])

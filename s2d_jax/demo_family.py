@@ -6,8 +6,12 @@ Stages (each can run alone; `all` runs them in order):
              train split, write the Spec-Bench-format prompt set from the held-out split.
   targets:   plain LM training (one exit) of demo-s/m/l from random init, float32, then a
              bfloat16 HF export to `<out>/target-{s,m,l}`.
+  mixture:   each float32 target continues training-speech openings greedily and at T = 1;
+             the texts of all targets form one distillation corpus (demo_distill.py).
   draft:     the first 4 layers of the trained (float32) demo-s, SoFT-trained with exits
-             (2, 3, 4), exported in bfloat16 to `<out>/draft` (exits in config.json).
+             (2, 3, 4) twice: on the corpus and on the targets' mixture. The one with the
+             higher mean accepted tokens (greedy S2D, mean over targets, held-in training
+             prompts) is exported in bfloat16 to `<out>/draft` (exits in config.json).
   eval:      held-out NLL/perplexity per model and draft exit, draft-vs-target greedy
              agreement, greedy samples through `transformers` (s2d_jax/demo_eval.py).
 Scratch files (splits, tokenizer, float32 exports, metrics) go to the run dir.
@@ -29,13 +33,21 @@ import numpy as np
 
 from s2d_jax.errors import S2DError
 
-STAGES = ("tokenizer", "targets", "draft", "eval", "all")
+STAGES = ("tokenizer", "targets", "mixture", "draft", "eval", "all")
 TARGETS = ("s", "m", "l")
 DRAFT_SOURCE = "s"  # the draft is initialised from this target's first layers
 # Training steps per target (16 x 256 tokens each; ~90 steps per epoch of the train split),
 # sized from step times measured on the shared 2-core CPU (~6.7 / 10 / 16.5 s per step for
 # s / m / l under load) so that the whole family trains in under an hour.
-TARGET_STEPS = {"s": 120, "m": 100, "l": 85}
+TARGET_STEPS = {"s": 240, "m": 140, "l": 90}
+# Distillation corpus: openings of this many training speeches, continued by every target
+# greedily and at T = 1 (~3 x 256 x 2 x 130 = 200k tokens); MAT_PROMPTS other training
+# speeches pick the better draft.
+MIXTURE_PROMPTS = 256
+MIXTURE_NEW_TOKENS = 128
+MAT_PROMPTS = 12
+CALIBRATION_PROMPTS = 16  # data/demo_calibration.jsonl, for python -m infer.calibrate
+DRAFT_VARIANTS = ("corpus", "mixture")
 HELD_OUT_FRACTION = 0.1
 VOCAB_SIZE = 2048
 QUESTION_CATEGORIES = ("speaker", "line", "passage", "dialogue")
@@ -53,6 +65,7 @@ class FamilyPaths:
     run_dir: str  # runs/demo_family (git-ignored scratch)
     corpus: str = "data/tinyshakespeare.txt"
     questions: str = "data/demo_questions.jsonl"
+    calibration: str = "data/demo_calibration.jsonl"
     model_configs: str = "configs/models"  # demo-{s,m,l}.yaml
     train_configs: str = "configs/train"  # demo_target.yaml, demo_draft.yaml
 
@@ -78,9 +91,12 @@ class FamilyPaths:
     def draft(self) -> str:
         return os.path.join(self.out, "draft")
 
+    def draft_f32(self, variant: str) -> str:
+        return os.path.join(self.run_dir, "float32", f"draft-{variant}")
+
     @property
-    def draft_f32(self) -> str:
-        return os.path.join(self.run_dir, "float32", "draft")
+    def mixture(self) -> str:
+        return os.path.join(self.run_dir, "mixture.txt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +126,8 @@ def stage_outputs(paths: FamilyPaths, stage: str) -> list[str]:
         return [paths.target(s) for s in TARGETS]
     if stage == "draft":
         return [paths.draft]
+    if stage == "mixture":
+        return [paths.calibration]  # and the scratch run_dir/mixture.txt
     if stage == "eval":
         return []  # only writes run_dir/report-eval.json
     return [p for s in STAGES[:-1] for p in stage_outputs(paths, s)]
@@ -309,16 +327,67 @@ def stage_targets(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bo
     return report
 
 
+def _held_in_prompts(paths: FamilyPaths, smoke: SmokeSettings | None) -> tuple[list, ...]:
+    """Disjoint (mixture, MAT, calibration) prompts from the training speeches (one draw)."""
+    from s2d_jax.demo_distill import mixture_prompts
+
+    sizes = (4, 2, 2) if smoke else (MIXTURE_PROMPTS, MAT_PROMPTS, CALIBRATION_PROMPTS)
+    prompts = mixture_prompts(read_paragraphs(paths.train_split), sum(sizes), seed=1)
+    order = np.random.default_rng(2).permutation(len(prompts))
+    cuts = np.cumsum((0,) + sizes)
+    return tuple([prompts[i] for i in order[a:b]] for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def stage_mixture(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
+    from s2d_jax.demo_distill import generate_mixture
+
+    targets = {f"target-{s}": paths.target_f32(s) for s in TARGETS}
+    for p in [*targets.values(), paths.train_split]:
+        _require(p, "an output of the targets stage")
+    prompts, _, calibration = _held_in_prompts(paths, smoke)
+    _write_text(paths.calibration, "".join(
+        json.dumps({"question_id": i + 1, "category": "held-in", "turns": [p]}) + "\n"
+        for i, p in enumerate(calibration)))
+    texts = generate_mixture(targets, prompts,
+                             max_new_tokens=8 if smoke else MIXTURE_NEW_TOKENS, log=log)
+    paras = [t.strip("\n") for ts in texts.values() for t in ts]
+    _write_text(paths.mixture, "\n\n".join(paras) + "\n")
+    log(f"[mixture] {len(paras)} texts, {sum(map(len, paras))} characters -> {paths.mixture}")
+    return {"mixture": {"prompts": len(prompts), "texts": len(paras),
+                        "characters": sum(map(len, paras))}}
+
+
 def stage_draft(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bool,
                 log=print) -> dict:
+    from s2d_jax.demo_distill import compare_drafts
+
     src = paths.target_f32(DRAFT_SOURCE)
     _require(src, f"the float32 target-{DRAFT_SOURCE} the draft starts from")
+    _require(paths.mixture, "the targets' text mixture (stage mixture)")
     overrides = list(smoke.train_overrides) if smoke else []
-    tc = _train_config(paths, "demo_draft.yaml", src, paths.draft_f32,
-                       os.path.join(paths.run_dir, "metrics-draft.jsonl"), overrides)
-    rep = _run_training(tc, log, "draft")
-    rep["bytes"] = export_bfloat16(paths.draft_f32, paths.draft, overwrite, is_draft=True)
-    rep["exits"] = list(tc.draft.exits)
+    report, exits = {}, None
+    for variant in DRAFT_VARIANTS:
+        data = paths.train_split if variant == "corpus" else paths.mixture
+        tc = _train_config(paths, "demo_draft.yaml", src, paths.draft_f32(variant),
+                           os.path.join(paths.run_dir, f"metrics-draft-{variant}.jsonl"),
+                           [*overrides, f"data.paths=[{data}]"])
+        report[variant] = _run_training(tc, log, f"draft-{variant}")
+        exits = list(tc.draft.exits)
+    _, mat_prompts, _ = _held_in_prompts(paths, smoke)
+    mat = compare_drafts({f"target-{s}": paths.target_f32(s) for s in TARGETS},
+                         {v: paths.draft_f32(v) for v in DRAFT_VARIANTS}, mat_prompts,
+                         max_new_tokens=8 if smoke else 64)
+    for variant in DRAFT_VARIANTS:
+        report[variant]["mean_accepted_tokens"] = mat[variant]
+        per = " ".join(f"{t}={m:.3f}" for t, m in mat[variant].items())
+        log(f"[draft] SoFT on {variant}: greedy S2D MAT on {len(mat_prompts)} held-in prompts "
+            f"{per}")
+    # The corpus draft wins ties: it needs no generation step.
+    best = max(DRAFT_VARIANTS, key=lambda v: (mat[v]["mean"], v == "corpus"))
+    rep = {"variants": report, "chosen": best, "exits": exits}
+    rep["bytes"] = export_bfloat16(paths.draft_f32(best), paths.draft, overwrite,
+                                   is_draft=True)
+    log(f"[draft] kept the {best} draft -> {paths.draft}")
     return {"draft": rep}
 
 
@@ -365,6 +434,8 @@ def build_family(paths: FamilyPaths, stage: str = "all", overwrite: bool = False
             report["tokenizer"] = stage_tokenizer(paths, smoke, log)
         elif name == "targets":
             report.update(stage_targets(paths, smoke, overwrite, log))
+        elif name == "mixture":
+            report.update(stage_mixture(paths, smoke, log))
         elif name == "draft":
             report.update(stage_draft(paths, smoke, overwrite, log))
         else:

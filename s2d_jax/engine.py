@@ -34,6 +34,7 @@ from s2d_jax.engine_state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.kvcache import init_cache
 from s2d_jax.sharding import CACHE_AXES, spec as logical_spec
+from s2d_jax.drafting import with_exit_segments
 from s2d_jax.sampling import probs_from_logits, sample
 
 STATIC = ("draft_cfg", "target_cfg", "spec", "mesh", "mid_cfgs")
@@ -75,7 +76,7 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
     logits, tcache = model.forward(target_params, target_cfg, prompts, positions, tcache)
     last_logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     key, k_first = jax.random.split(key)
-    first = sample(k_first, probs_from_logits(last_logits, dp.sampling))
+    first = sample(k_first, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
 
     dcache = None
     if spec.method != "ar":
@@ -180,6 +181,8 @@ def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams,
                  mid_cfgs=()) -> GenState:
     """Run rounds until every row is done or `max_rounds` (traced) more rounds ran."""
     stop_at = state.round + max_rounds
+    if spec.method in ("sd", "s2d"):  # not self: that would copy the target's layers
+        draft_params = with_exit_segments(draft_params, spec.exits)
 
     def cond(s):
         return jnp.any(~s.done) & (s.round < stop_at)

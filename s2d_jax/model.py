@@ -128,14 +128,22 @@ REMAT_POLICIES = {
 }
 
 
+UNROLL_LAYERS = 4
+
+
 def layer_slice(params: dict, start: int, end: int) -> dict:
     return jax.tree.map(lambda x: x[start:end], params["layers"])
 
 
 def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
                start: int = 0, end: int | None = None, cache: KVCache | None = None,
-               segment_ids: jnp.ndarray | None = None, remat: str = "none"):
+               segment_ids: jnp.ndarray | None = None, remat: str = "none",
+               layers: dict | None = None):
     """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
+
+    `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
+    from params["layers"]; inside a loop body XLA re-executes that slice, a weight copy,
+    every iteration).
 
     With a cache, the new keys/values go to slot == position of layer `start + i`, and each
     query attends to every slot <= its position. Without a cache, attention is causal
@@ -148,7 +156,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     if start == end:
         return h, cache
     cos, sin = cos_sin(cfg, positions)
-    layers = layer_slice(params, start, end)
+    layers = layer_slice(params, start, end) if layers is None else layers
     idx = jnp.arange(start, end, dtype=jnp.int32)
 
     if cache is None:
@@ -189,7 +197,8 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
         h, (kc, vc) = _block(lp, h, cos, sin, cfg, attend)
         return (h, kc, vc), None
 
-    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx))
+    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx),
+                                unroll=(end - start) <= UNROLL_LAYERS)
     return h, cache.replace(k=k, v=v)
 
 

@@ -1,11 +1,15 @@
 """Logit transforms (temperature, top-k, top-p), greedy, confidence, and the speculative
 accept/residual rule.
 
-Every decoding setting is a *traced* value, so changing it never recompiles:
-temperature <= 0 means greedy, which is expressed as a one-hot distribution. Greedy and
-sampling then share one code path: with one-hot p and q the rejection rule below accepts a
-draft token exactly when it is the target's argmax and the residual is the target's argmax,
-i.e. greedy verification falls out of the general rule with no special case.
+Temperature, top-k and top-p are *traced* values, so changing them never recompiles.
+Greedy (temperature <= 0) is expressed as a one-hot distribution, so greedy and sampling
+share one verification rule: with one-hot p and q the rejection rule below accepts a draft
+token exactly when it is the target's argmax and the residual is the target's argmax.
+Whether a generation is greedy is also a *static* flag (`SamplingParams.greedy`): the greedy
+program skips what a one-hot makes pointless (softmaxes, vocabulary-sized random draws,
+the top-k/top-p filters, which cannot change an argmax), which on a CPU costs more than
+a small draft's forward. So switching between greedy and sampling compiles a second program;
+switching between temperatures does not.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ class SamplingParams:
     temperature: jnp.ndarray  # f32 scalar; <= 0 means greedy
     top_k: jnp.ndarray  # i32 scalar; <= 0 means off
     top_p: jnp.ndarray  # f32 scalar; >= 1 means off
+    greedy: bool = struct.field(pytree_node=False, default=False)  # static: temperature <= 0
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":
-        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+                   greedy=float(temperature) <= 0.0)
 
 
 def filter_top_k(logits: jnp.ndarray, top_k: jnp.ndarray) -> jnp.ndarray:
@@ -64,18 +70,25 @@ def _scaled_filtered_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndar
 def probs_from_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
     """The distribution tokens are drawn from: softmax of the transformed logits, or the
     one-hot argmax when greedy. float32 [..., V]."""
-    probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
     onehot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if sp.greedy:
+        return onehot
+    probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
     return jnp.where(sp.temperature > 0, probs, onehot)
 
 
 def confidence(logits: jnp.ndarray, sp: SamplingParams, kind: str = "max_prob") -> jnp.ndarray:
     """Per-row confidence in [0, 1] of an exit's prediction, after temperature/top-k/top-p
-    (temperature 1 when greedy, since the greedy one-hot would always say 1).
+    (temperature 1 when greedy, since the greedy one-hot would always say 1; greedy
+    ignores top-k/top-p, as `transformers` does without sampling).
 
     max_prob: the largest probability. entropy: 1 - H(p) / log(V).
     """
-    probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
+    if sp.greedy and kind == "max_prob":  # max softmax = 1 / sum exp(z - max z)
+        z = logits.astype(jnp.float32)
+        return 1.0 / jnp.sum(jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)), axis=-1)
+    z = logits.astype(jnp.float32) if sp.greedy else _scaled_filtered_logits(logits, sp)
+    probs = jax.nn.softmax(z, axis=-1)
     if kind == "max_prob":
         return jnp.max(probs, axis=-1)
     if kind == "entropy":
@@ -85,14 +98,17 @@ def confidence(logits: jnp.ndarray, sp: SamplingParams, kind: str = "max_prob") 
     raise ValueError(f"unknown confidence kind {kind!r}; use one of {CONFIDENCE_KINDS}")
 
 
-def sample(key: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
-    """Draw one token per row from probs [..., V] (zero-probability tokens are never drawn)."""
+def sample(key: jax.Array, probs: jnp.ndarray, greedy: bool = False) -> jnp.ndarray:
+    """Draw one token per row from probs [..., V] (zero-probability tokens are never drawn).
+    greedy (static): probs are one-hot, so the draw is their argmax (no random numbers)."""
+    if greedy:
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32)
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
 def speculative_verify(key: jax.Array, proposed: jnp.ndarray, q: jnp.ndarray, p: jnp.ndarray,
-                       num_proposed: jnp.ndarray | None = None):
+                       num_proposed: jnp.ndarray | None = None, greedy: bool = False):
     """Lossless speculative rejection sampling (Leviathan et al. / Chen et al.), tree-free.
 
     proposed [B, G] tokens drawn from q [B, G, V] (the distribution each token was actually
@@ -101,6 +117,8 @@ def speculative_verify(key: jax.Array, proposed: jnp.ndarray, q: jnp.ndarray, p:
     Token i is accepted with prob min(1, p_i(d_i) / q_i(d_i)); the first rejection draws the
     correction from norm(max(0, p_i - q_i)); with every proposal accepted the bonus is drawn
     from p_num_proposed. Returns (accepted count [B] in [0, num_proposed], next token [B]).
+    greedy (static): p and q are one-hot, so the ratio is 0 or 1 and every uniform draw
+    would give the same answer; the draws are skipped, the result is the same.
     Reusable at any level of a chain: the verifier of one pair is the proposer of the next.
     """
     B, G = proposed.shape
@@ -111,7 +129,7 @@ def speculative_verify(key: jax.Array, proposed: jnp.ndarray, q: jnp.ndarray, p:
         p_d = jnp.take_along_axis(p[:, :G], proposed[..., None], axis=-1)[..., 0]
         q_d = jnp.take_along_axis(q, proposed[..., None], axis=-1)[..., 0]
         ratio = jnp.where(q_d > 0, p_d / jnp.where(q_d > 0, q_d, 1.0), 0.0)
-        u = jax.random.uniform(k_accept, (B, G))
+        u = 0.0 if greedy else jax.random.uniform(k_accept, (B, G))
         ok = (u < ratio) & (jnp.arange(G)[None, :] < num_proposed[:, None])
         n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
         q_pad = jnp.concatenate([q, jnp.zeros_like(p[:, :1])], axis=1)  # [B, G+1, V]
@@ -126,4 +144,4 @@ def speculative_verify(key: jax.Array, proposed: jnp.ndarray, q: jnp.ndarray, p:
     # If rounding leaves no residual mass, p itself is the only sensible fallback.
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)
     dist = jnp.where(rejected[:, None], residual, p_n)
-    return n, sample(k_next, dist)
+    return n, sample(k_next, dist, greedy)

@@ -19,6 +19,7 @@ import numpy as np
 from s2d_jax import engine
 from s2d_jax.sharding import with_auto_axes
 from s2d_jax.config import ModelConfig
+from s2d_jax.drafting import with_exit_segments
 from s2d_jax.engine_state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
 
@@ -233,7 +234,11 @@ def measure_time_split(decoder: Decoder, prompts, *, max_new_tokens: int = 64, r
             out = jax.block_until_ready(fn())
         return (time.perf_counter() - t) / reps, out
 
-    t_draft, drafted = timed(lambda: draft(state, decoder.draft_params, dp, decoder.mid_params,
+    # As the decode loop does: exit segments sliced once, outside the timed calls.
+    draft_params = decoder.draft_params
+    if decoder.spec_base.method in ("sd", "s2d"):
+        draft_params = jax.jit(with_exit_segments, static_argnums=1)(draft_params, spec.exits)
+    t_draft, drafted = timed(lambda: draft(state, draft_params, dp, decoder.mid_params,
                                            draft_cfg=decoder.draft_cfg, spec=spec,
                                            mid_cfgs=decoder.mid_cfgs))
     t_verify, _ = timed(lambda: verify(state, decoder.target_params, dp, drafted,

@@ -83,12 +83,17 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
     assert set(costs["target_verify"]) == {"s2d-0.5", "s2d-cal"}
     assert all(v > 0 for v in costs["target_verify"].values())
     assert len(costs["draft_exits"]["s2d-0.5"]) == 2 and min(costs["draft_exits"]["s2d-0.5"]) > 0
-    # the prediction is theory.two_level on exactly these numbers
+    # the prediction is theory.loop_speedup on exactly these numbers: in-loop round costs
+    # per forced exit (one per exit, positive), the prefill, this run's rounds and usage
     m = res["s2d-0.5"]
-    exp = theory.two_level(1 / res["ar"]["tokens_per_second"],
-                           costs["target_verify"]["s2d-0.5"], costs["draft_exits"]["s2d-0.5"],
-                           m["exit_usage"], m["mean_accepted_tokens"],
-                           m["draft_steps_per_round"])["predicted_speedup"]
+    loop = costs["loop"]["0.0"]
+    assert set(loop) == {"ar", "s2d-0.5", "s2d-cal"}
+    assert len(loop["s2d-0.5"]["round_s"]) == 2 and min(loop["s2d-0.5"]["round_s"]) > 0
+    assert loop["s2d-0.5"]["prefill_s"] > 0
+    exp = theory.loop_speedup(1 / res["ar"]["tokens_per_second"], 0.0,
+                              loop["s2d-0.5"]["round_s"], m["exit_usage"],
+                              loop["s2d-0.5"]["prefill_s"], prompts=2, tokens=m["new_tokens"],
+                              rounds=m["rounds"])["predicted_speedup"]
     assert m["predicted_speedup"] == pytest.approx(exp)
     assert m["draft_steps_per_round"] == pytest.approx(sum(m["exit_usage"]) / m["rounds"])
     answers = (out / "answers" / "t" / "s2d-cal-T0.jsonl").read_text().splitlines()

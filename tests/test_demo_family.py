@@ -36,6 +36,7 @@ def family(tmp_path_factory):
     run = os.path.join(out, "run")
     paths = df.FamilyPaths(out=out, run_dir=run, corpus=CORPUS,
                            questions=os.path.join(run, "demo_questions.jsonl"),
+                           calibration=os.path.join(run, "demo_calibration.jsonl"),
                            model_configs=os.path.join(CONFIGS, "models"),
                            train_configs=os.path.join(CONFIGS, "train"))
     return paths, argv
@@ -185,3 +186,38 @@ def test_bad_stage_and_tiny_corpus(tmp_path):
     small.write_text("A:\nhi\n\nB:\nho\n")
     with pytest.raises(S2DError, match="paragraphs"):
         df.read_paragraphs(str(small))
+
+
+def test_draft_is_the_better_of_corpus_and_mixture_soft(family):
+    """The draft stage trains SoFT on the corpus and on the targets' own text, measures
+    greedy S2D MAT of both on held-in prompts, and exports the winner."""
+    paths, _ = family
+    with open(os.path.join(paths.run_dir, "report-all.json")) as f:
+        report = json.load(f)
+    variants = report["draft"]["variants"]
+    assert set(variants) == set(df.DRAFT_VARIANTS)
+    mats = {v: variants[v]["mean_accepted_tokens"] for v in variants}
+    for m in mats.values():
+        assert set(m) == {"target-s", "target-m", "target-l", "mean"}
+        assert all(1.0 <= x <= 5.0 for x in m.values())  # gamma 4: 1 .. gamma + 1
+    chosen = report["draft"]["chosen"]
+    assert mats[chosen]["mean"] == max(m["mean"] for m in mats.values())
+    # The exported bfloat16 draft is the chosen variant's weights.
+    _, exported, _ = load_model(paths.draft)
+    _, other, _ = load_model(paths.draft_f32(next(v for v in variants if v != chosen)))
+    _, best, _ = load_model(paths.draft_f32(chosen))
+    w = np.asarray(exported["layers"]["wq"], np.float32)
+    assert np.array_equal(w, np.asarray(best["layers"]["wq"].astype(jax.numpy.bfloat16),
+                                        np.float32))
+    assert not np.array_equal(w, np.asarray(other["layers"]["wq"].astype(jax.numpy.bfloat16),
+                                            np.float32))
+    # The mixture holds every target's continuations of the held-in prompts.
+    texts = df.read_paragraphs(paths.mixture)
+    assert len(texts) >= 3 * 4 * 2
+    heldout = open(paths.heldout_split, encoding="utf-8").read()
+    prompts, mat_prompts, calibration = df._held_in_prompts(paths, SMOKE)
+    assert len(set(prompts + mat_prompts + calibration)) == len(prompts + mat_prompts +
+                                                                calibration)
+    assert not any(p in heldout for p in prompts + mat_prompts + calibration)
+    with open(paths.calibration) as f:
+        assert [json.loads(line)["turns"][0] for line in f] == calibration

@@ -124,20 +124,23 @@ def test_kv_fill_full_reference_is_exact_too():
 
 
 def test_traced_settings_do_not_recompile():
+    """Thresholds, temperature, top-k/p and lengths are traced; greedy vs sampling is the
+    one static switch (SamplingParams.greedy): exactly one program per mode."""
     dec = make_decoder("s2d", (1, 2, 3), 3)
     spec, prompts, lens = dec.prepare(PROMPTS, NEW)
     run = functools.partial(engine.generate, dec.draft_params, dec.target_params, prompts, lens,
                             draft_cfg=dec.draft_cfg, target_cfg=CFG, spec=spec)
     jax.block_until_ready(run(DecodeParams.make(spec, [0.5] * 3), jax.random.key(0)))
     size = engine.generate._cache_size()
-    for th, temp, top_p, top_k, new in [([0.1, 0.2, 0.3], 0.0, 1.0, 0, 10),
-                                        ([1.0, 0.0, 0.4], 0.7, 0.9, 0, 20),
-                                        ([0.0, 0.0, 0.0], 1.3, 1.0, 5, 30)]:
+    for th, temp, top_p, top_k, new, programs in [([0.1, 0.2, 0.3], 0.0, 1.0, 0, 10, 0),
+                                                  ([1.0, 0.0, 0.4], 0.7, 0.9, 0, 20, 1),
+                                                  ([0.0, 0.0, 0.0], 1.3, 1.0, 5, 30, 1),
+                                                  ([0.2, 0.2, 0.2], 0.0, 0.8, 3, 12, 1)]:
         dp = DecodeParams.make(spec, th, temperature=temp, top_p=top_p, top_k=top_k,
                                max_new_tokens=new)
         state = run(dp, jax.random.key(1))
         assert int(jnp.max(state.length - state.prompt_len)) == new
-    assert engine.generate._cache_size() == size
+        assert engine.generate._cache_size() == size + programs
 
 
 @pytest.mark.slow  # two extra compilations (prefill, decode_chunk): ~30 s on a loaded CPU

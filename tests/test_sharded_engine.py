@@ -70,9 +70,10 @@ def reference():
     """Unsharded (one device) tokens for each decode setting."""
     draft, target = jax.device_put(host_params(), jax.devices()[0])
     dps = decode_settings()
-    compiled = engine.generate.lower(draft, target, PROMPTS, LENS, dps["greedy"],
-                                     jax.random.key(7), **KW).compile(FAST)
-    return {name: run(compiled, draft, target, dp) for name, dp in dps.items()}
+    # Greedy and sampling are two programs (SamplingParams.greedy is static).
+    return {name: run(engine.generate.lower(draft, target, PROMPTS, LENS, dp, jax.random.key(7),
+                                            **KW).compile(FAST), draft, target, dp)
+            for name, dp in dps.items()}
 
 
 @pytest.mark.parametrize("mesh_flag", ["tensor=8", "data=2,tensor=4"])
@@ -83,10 +84,12 @@ def test_sharded_s2d_gives_the_unsharded_tokens(mesh_flag):
     target = jax.device_put(host_target, param_shardings(CFG, mesh))
     draft = jax.device_put(host_draft, param_shardings(DCFG, mesh))
     dps = decode_settings()
-    compiled = engine.generate.lower(draft, target, PROMPTS, LENS, dps["greedy"],
-                                     jax.random.key(7), mesh=mesh, **KW).compile(FAST)
+    programs = {name: engine.generate.lower(draft, target, PROMPTS, LENS, dp, jax.random.key(7),
+                                            mesh=mesh, **KW).compile(FAST)
+                for name, dp in dps.items()}
+    compiled = programs["greedy"]
     for name, dp in dps.items():
-        out = run(compiled, draft, target, dp)
+        out = run(programs[name], draft, target, dp)
         np.testing.assert_array_equal(out.tokens, ref[name].tokens, err_msg=name)
         np.testing.assert_array_equal(out.length, ref[name].length, err_msg=name)
         np.testing.assert_array_equal(out.accepted_at, ref[name].accepted_at, err_msg=name)

@@ -51,3 +51,51 @@ def test_bad_inputs_raise():
     with pytest.raises(S2DError):
         theory.insertion_gain([10, 1], [2], 4, position=2, candidate_cost=3,
                               new_accept_lengths=[4, 2])
+
+
+def test_time_terms_are_the_lemma_summands():
+    # T = (10, 4, 1), L = (4, 2), beta = 3: terms 10/4, 4/2, 3*1/2
+    assert theory.time_terms([10, 4, 1], [4, 2], 3) == pytest.approx([2.5, 2.0, 1.5])
+    with pytest.raises(S2DError):
+        theory.time_terms([10, 1], [2], -1)
+
+
+def test_insertion_with_new_costs_of_the_old_models():
+    # the same insertion as above helps (7 -> 6) while the target costs 10 per call; if
+    # verifying the longer block costs it 16: 16/4 + 3/2 + 4*1/2 = 7.5 > 7 -> hurts
+    out = theory.insertion_gain([10, 1], [2], 4, position=1, candidate_cost=3,
+                                new_accept_lengths=[4, 2], new_costs=[16, 1])
+    assert out["before"] == pytest.approx(7.0) and out["after"] == pytest.approx(7.5)
+    assert not out["helps"]
+    # inserting deeper in a 3-model chain (between M_2 and M_3): 10/4 + 4/3 + 2/2.5 + 2*1/2.5
+    deep = theory.insertion_gain([10, 4, 1], [4, 2], 3, position=2, candidate_cost=2,
+                                 new_accept_lengths=[4, 3, 2.5], new_beta=2)
+    assert deep["before"] == pytest.approx(6.0)
+    assert deep["after"] == pytest.approx(2.5 + 4 / 3 + 0.8 + 0.8) and deep["helps"]
+    with pytest.raises(S2DError):
+        theory.insertion_gain([10, 1], [2], 4, 1, 3, [4, 2], new_costs=[16])
+
+
+def test_lemma_inputs_reproduce_the_measured_forward_time():
+    # 120 tokens, target called 40 times, intermediate 60 times, 240 draft steps
+    L, beta = theory.lemma_inputs(120, [40, 60], 240)
+    assert L == pytest.approx([3.0, 2.0]) and beta == pytest.approx(4.0)
+    costs = [10.0, 3.0, 1.0]
+    total = 40 * 10.0 + 60 * 3.0 + 240 * 1.0  # sum_i F_i T_i
+    assert theory.chain_time_per_token(costs, L, beta) == pytest.approx(total / 120)
+    with pytest.raises(S2DError):
+        theory.lemma_inputs(120, [40, 0], 240)
+    with pytest.raises(S2DError):
+        theory.lemma_inputs(0, [40], 10)
+
+
+def test_loop_speedup_is_prefill_plus_rounds_times_usage_weighted_round_cost():
+    out = theory.loop_speedup(0.002, 0.01, [0.004, 0.006], [3, 1], 0.012, prompts=2,
+                              tokens=100, rounds=30)
+    round_s = (3 * 0.004 + 1 * 0.006) / 4
+    assert out["round_s"] == pytest.approx(round_s)
+    assert out["predicted_ar_s"] == pytest.approx(2 * 0.01 + 100 * 0.002)
+    assert out["predicted_s"] == pytest.approx(2 * 0.012 + 30 * round_s)
+    assert out["predicted_speedup"] == pytest.approx(0.22 / (0.024 + 30 * round_s))
+    with pytest.raises(S2DError):
+        theory.loop_speedup(0.002, 0.0, [0.0], [1], 0.01, prompts=1, tokens=1, rounds=1)

@@ -1,10 +1,11 @@
 """Build the demo model family (tokenizer, targets demo-s/m/l, sorted draft) on CPU.
 
     python -m train.demo_family --out models/demo [--smoke] [--overwrite]
-                                [--stage tokenizer|targets|draft|eval|all]
+                                [--stage tokenizer|targets|mixture|draft|eval|all]
 
 Trains on data/tinyshakespeare.txt (first 90% of its paragraphs; the last 10% are held
-out and give data/demo_questions.jsonl). Scratch files go to --run-dir. --smoke runs the
+out and give data/demo_questions.jsonl, the benchmark's prompts; training speeches give
+data/demo_calibration.jsonl, the held-in prompts of python -m infer.calibrate). Scratch files go to --run-dir. --smoke runs the
 same pipeline on a small slice with shrunk models and 3 steps per model (seconds), and
 writes its prompts inside --run-dir instead of data/.
 """
@@ -40,7 +41,9 @@ def main(argv=None):
                                else os.path.join("runs", "demo_family"))
     questions = args.questions or (os.path.join(run_dir, "demo_questions.jsonl") if args.smoke
                                    else os.path.join("data", "demo_questions.jsonl"))
+    calibration = os.path.join(os.path.dirname(questions), "demo_calibration.jsonl")
     paths = FamilyPaths(out=args.out, run_dir=run_dir, corpus=args.corpus, questions=questions,
+                        calibration=calibration,
                         model_configs=os.path.join(args.configs, "models"),
                         train_configs=os.path.join(args.configs, "train"))
     build_family(paths, args.stage, args.overwrite, SmokeSettings() if args.smoke else None)
