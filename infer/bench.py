@@ -2,7 +2,7 @@
 targets sharing one sorted draft.
 
     python -m infer.bench --targets s=models/demo/target-s l=models/demo/target-l \\
-        --draft models/demo/draft --max-prompts 8 --max-new-tokens 64 --out runs/bench
+        --draft models/demo/draft --max-prompts 8 --max-new-tokens 128 --out runs/bench
 
 Methods (--methods): ar, sd (one run per draft exit), self (the target's first k layers,
 --self-exit, default the draft's depth), s2d (the paper's 0.5/.../0 thresholds), s2d-cal
