@@ -283,12 +283,13 @@ def main(argv=None):
                     row["stats"]["time_split"] = split
     if args.out:
         _write_jsonl_atomic(args.out, rows)
-    if not stream:
-        for row in rows:
-            s = row["stats"]
-            print(f"[{row['target']} #{row['question_id']}] {s['new_tokens']} tokens, "
-                  f"{s['rounds']} rounds, MAT {s['mean_accepted_tokens']:.2f}, exits "
-                  f"{s['exit_usage']}: {row['text'][:200]!r}", file=sys.stderr)
+    for row in rows:  # statistics on stderr (a streamed text is already on stdout)
+        s = row["stats"]
+        speed = s.get("batch_tokens_per_s")
+        print(f"[{row['target']} #{row['question_id']}] {s['new_tokens']} tokens, "
+              f"{s['rounds']} rounds, MAT {s['mean_accepted_tokens']:.2f}, exits "
+              f"{s['exit_usage']}" + (f", {speed:.0f} tok/s" if speed else "")
+              + ("" if stream else f": {row['text'][:200]!r}"), file=sys.stderr)
     return 0
 
 

@@ -8,8 +8,8 @@ Stages (each can run alone; `all` runs them in order):
              bfloat16 HF export to `<out>/target-{s,m,l}`.
   mixture:   each float32 target continues training-speech openings greedily and at T = 1;
              the texts of all targets form one distillation corpus (demo_distill.py).
-  draft:     the first 4 layers of the trained (float32) demo-s, SoFT-trained with exits
-             (2, 3, 4) twice: on the corpus and on the targets' mixture. The one with the
+  draft:     the first 3 layers of the trained (float32) demo-s, SoFT-trained with exits
+             (1, 2, 3) twice: on the corpus and on the targets' mixture. The one with the
              higher mean accepted tokens (greedy S2D, mean over targets, held-in training
              prompts) is exported in bfloat16 to `<out>/draft` (exits in config.json).
   eval:      held-out NLL/perplexity per model and draft exit, draft-vs-target greedy
@@ -109,7 +109,7 @@ class SmokeSettings:
     # an explicit head_dim: 48 suits all three.
     model_overrides: tuple[str, ...] = ("hidden_size=48", "intermediate_size=64",
                                         "head_dim=16", "max_position_embeddings=128")
-    # demo-s deeper than the draft (4 layers), so the draft is a strict prefix of it.
+    # demo-s deeper than the draft (3 layers), so the draft is a strict prefix of it.
     layers: tuple[tuple[str, int], ...] = (("s", 5), ("m", 5), ("l", 6))
     train_overrides: tuple[str, ...] = ("data.seq_len=64", "data.batch_size=8",
                                         "data.num_epochs=0", "optimizer.total_steps=3",
