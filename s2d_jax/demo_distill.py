@@ -36,6 +36,15 @@ def mixture_prompts(train_paragraphs: list[str], n: int, seed: int) -> list[str]
     return [f"{speeches[i][0]}\n{speeches[i][1][0]}\n" for i in sorted(picks.tolist())]
 
 
+def held_in_prompts(train_paragraphs: list[str], sizes: tuple[int, ...]) -> tuple[list, ...]:
+    """Disjoint prompt sets of the given sizes (mixture, MAT, calibration) from one seeded
+    draw of training speeches."""
+    prompts = mixture_prompts(train_paragraphs, sum(sizes), seed=1)
+    order = np.random.default_rng(2).permutation(len(prompts))
+    cuts = np.cumsum((0,) + tuple(sizes))
+    return tuple([prompts[i] for i in order[a:b]] for a, b in zip(cuts[:-1], cuts[1:]))
+
+
 def _batches(items: list, size: int):
     for i in range(0, len(items), size):
         yield items[i:i + size]

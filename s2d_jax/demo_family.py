@@ -328,14 +328,10 @@ def stage_targets(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bo
 
 
 def _held_in_prompts(paths: FamilyPaths, smoke: SmokeSettings | None) -> tuple[list, ...]:
-    """Disjoint (mixture, MAT, calibration) prompts from the training speeches (one draw)."""
-    from s2d_jax.demo_distill import mixture_prompts
+    from s2d_jax.demo_distill import held_in_prompts
 
     sizes = (4, 2, 2) if smoke else (MIXTURE_PROMPTS, MAT_PROMPTS, CALIBRATION_PROMPTS)
-    prompts = mixture_prompts(read_paragraphs(paths.train_split), sum(sizes), seed=1)
-    order = np.random.default_rng(2).permutation(len(prompts))
-    cuts = np.cumsum((0,) + sizes)
-    return tuple([prompts[i] for i in order[a:b]] for a, b in zip(cuts[:-1], cuts[1:]))
+    return held_in_prompts(read_paragraphs(paths.train_split), sizes)
 
 
 def stage_mixture(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
