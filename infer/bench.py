@@ -12,8 +12,9 @@ compilation is excluded from tokens/s. Writes to --out: report.json, report.md (
 printed), speedup.png, answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
 format). --hf-baseline also times HF transformers generate (plain, assisted), greedy.
 
-Polybasic chains (--chain NAME=MID[:int8|int4], repeatable): draft -> MID -> target NAME,
-where MID is int8 / int4 (the target's own weight-only quantization) or a model dir
+Polybasic chains (--chain NAME=MID[:int8|int4|w8a8], repeatable): draft -> MID -> target
+NAME, where MID is int8 / int4 / w8a8 (the target's own quantization: weight-only, or int8
+weights and activations) or a model dir
 (optionally quantized), with the two-level S2D run's exits, thresholds and gamma and
 accumulation length --mu (default gamma). Each chain runs interleaved with the other
 methods, then: per-level acceptance and costs, Lemma 3.1 predicted vs measured, the
@@ -53,8 +54,8 @@ def parse_args(argv):
     ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--hf-baseline", action="store_true")
-    ap.add_argument("--chain", action="append", default=[], metavar="NAME=MID[:int8|int4]",
-                    help="a 3-level chain on target NAME with intermediate MID: int8 / int4 "
+    ap.add_argument("--chain", action="append", default=[], metavar="NAME=MID[:int8|int4|w8a8]",
+                    help="a 3-level chain on target NAME with intermediate MID: int8 / int4 / w8a8 "
                     "(the quantized target) or a model dir (repeatable)")
     ap.add_argument("--mu", type=int, default=None,
                     help="the chains' accumulation length (default: gamma)")
@@ -170,13 +171,18 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
         f"(compiling {len(decoders)} generations first)")
     eos = tok.eos_id if tok.eos_id is not None else -1
+    log(f"[{name}] compiling the in-loop cost probes (sampled after every prompt)")
+    probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
+                               max_len=max_len)
     runs = bench.run_target(decoders, prompts, temperatures=temps,
                             max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
                             repeats=args.repeats,
-                            progress=lambda it: tqdm(it, desc=name, file=sys.stderr))
+                            progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
+                            between=lambda: bench.sample_probes(probes))
     log(f"[{name}] measuring per-call costs")
     costs = bench.measure_costs(decoders, specs, prompts[0],
-                                max_new_tokens=args.max_new_tokens, temperatures=temps)
+                                max_new_tokens=args.max_new_tokens, temperatures=temps,
+                                max_len=max_len, probes=probes)
     cats = [q["category"] for q in questions]
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,

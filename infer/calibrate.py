@@ -5,8 +5,10 @@
 
 Greedy trajectories of the target + one draft pass give per-exit acceptance; a grid of
 thresholds x gammas is ranked by the predicted speedup (Lemma 3.1 with measured costs);
-the best --check few and the paper's 0.5/.../0 are measured for real (interleaved with AR)
-and the best measured one is written, with its speedup and the gain over 0.5/.../0.
+the best --check few and the paper's 0.5/.../0 are measured for real (interleaved with AR,
+median of --repeats runs per prompt) and the best measured one is written, with its speedup
+and the gain over 0.5/.../0. The default prompts (data/demo_calibration.jsonl) are a dev
+set of held-out speeches, disjoint from the benchmark's data/demo_questions.jsonl.
 """
 
 from __future__ import annotations
@@ -24,22 +26,26 @@ def parse_args(argv):
     ap.add_argument("--target", required=True, metavar="[NAME=]DIR")
     ap.add_argument("--draft", required=True)
     ap.add_argument("--questions", default="data/demo_calibration.jsonl",
-                    help="held-in prompts (default: training speeches of the demo family)")
+                    help="calibration prompts (default: the demo family's dev set)")
     ap.add_argument("--max-prompts", type=int, default=16)
     ap.add_argument("--categories", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gammas", default="2,3,4,5,6")
     ap.add_argument("--check", type=int, default=3, help="best predicted configs to measure")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed runs per prompt and candidate (median of them): candidates "
+                    "often differ by a few percent, about the noise of one run here")
     ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
     return ap.parse_args(argv)
 
 
-def _measure(decoders, prompts, max_new_tokens, max_len, eos):
+def _measure(decoders, prompts, max_new_tokens, max_len, eos, repeats):
     from s2d_jax import bench
     runs = bench.run_target(decoders, prompts, temperatures=[0.0],
-                            max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos)["runs"]
+                            max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos,
+                            repeats=repeats)["runs"]
     per = runs[0.0]
     ar_tps = bench._aggregate(per["ar"])["tokens_per_second"]
     out = {}
@@ -62,8 +68,8 @@ def main(argv=None):
     gammas = sorted(set(_ints(args.gammas)))
     if not gammas or min(gammas) < 1:
         raise S2DError(f"--gammas must be positive integers, got {args.gammas}")
-    if args.max_new_tokens < 2 or args.check < 1:
-        raise S2DError("--max-new-tokens must be >= 2 and --check >= 1")
+    if args.max_new_tokens < 2 or args.check < 1 or args.repeats < 1:
+        raise S2DError("--max-new-tokens must be >= 2, --check and --repeats >= 1")
 
     from s2d_jax import bench, calibrate
     from s2d_jax.checkpoint import load_model
@@ -146,7 +152,7 @@ def main(argv=None):
         f"and 0.5/.../0")
     decs = bench.build_decoders([ar_spec] + list(candidates.values()), cfg, params, d_cfg,
                                 d_params, prompt_width=width)
-    measured, _ = _measure(decs, prompts, args.max_new_tokens, max_len, eos)
+    measured, _ = _measure(decs, prompts, args.max_new_tokens, max_len, eos, args.repeats)
     rows = []
     for label, spec in candidates.items():
         m = measured[label]

@@ -73,8 +73,9 @@ def parse_args(argv):
                     help="polybasic chain: a model between draft and target (repeat for more "
                     "levels, lowest first); with --quantize-intermediate and no PATH, the "
                     "quantized target is the intermediate")
-    ap.add_argument("--quantize-intermediate", default=None, choices=("int8", "int4"),
-                    help="weight-only quantize the intermediate(s) (int4: --quant-group rows)")
+    ap.add_argument("--quantize-intermediate", default=None, choices=("int8", "int4", "w8a8"),
+                    help="quantize the intermediate(s): int8 / int4 weight-only (int4: "
+                    "--quant-group rows), w8a8 int8 weights and activations")
     ap.add_argument("--quant-group", type=int, default=64, help="int4 group size")
     ap.add_argument("--mu", default=None, help="chain accumulation length per intermediate, "
                     "e.g. 4 or 4,8 (default: gamma each)")

@@ -5,8 +5,10 @@ k layers), S2D with calibrated thresholds (from the target's s2d_serving.json) a
 with the paper's 0.5 / 0.5 / 0. Every prompt runs every method back to back (in an order
 rotated per prompt) after one warm-up generation per method, so slow phases of a shared
 machine hit all methods alike; compilation is excluded from tokens/s and reported apart.
-Predicted speedups come from theory.py with per-call costs measured on the engine's own
-draft and verify phases (`phase_costs`).
+Predicted speedups come from theory.py with round costs timed inside the engine's decode
+loop per forced exit (loop_costs.py), sampled after every prompt so that costs and runs
+see the same machine; the engine's separately timed draft and verify phases
+(`phase_costs`) are reported too.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ def round_up(x: int, m: int) -> int:
 
 def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequence[float],
                max_new_tokens: int, max_len: int, eos_id: int, repeats: int = 1,
-               progress: Callable | None = None) -> dict:
+               progress: Callable | None = None, between: Callable | None = None) -> dict:
     """-> {temperature: {label: [per-prompt result]}} plus compile seconds per label.
+    `between()` runs after each prompt's runs (the cost probes' samples, cost_probes).
 
     Per prompt result: token_ids, seconds (median over repeats), stats of the last repeat.
     """
@@ -136,6 +139,8 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
                 runs[float(t)][label].append({"token_ids": out["token_ids"],
                                               "seconds": statistics.median(secs),
                                               "stats": out["stats"]})
+        if between is not None:
+            between()
     return {"runs": runs, "compile_seconds": compile_s}
 
 
@@ -197,17 +202,17 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
 def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None,
             temperature: str = "0.0", prompts: int = 1) -> dict:
     """predicted_speedup from the time model with measured costs and this run's rounds and
-    exit usage: theory.loop_speedup on in-loop round costs (costs["loop"], loop_costs.py)
-    when measured, else theory.two_level on separately timed phases, with T_target(1) the
-    measured AR time per token."""
+    exit usage: theory.loop_speedup on in-loop round costs of the method and of AR
+    (costs["loop"], loop_costs.py) when measured, else theory.two_level on separately
+    timed phases with T_target(1) the measured AR time per token."""
     if label == "ar":
         return {"predicted_speedup": 1.0, "measured_over_predicted": 1.0}
     loop = (costs or {}).get("loop", {}).get(temperature, {})
-    if label in loop and ar_agg and ar_agg["tokens_per_second"] and entry["rounds"]:
-        # T_AR: the measured AR time per token (its in-loop steady state underestimates a
-        # short generation's AR time on this CPU; see loop_costs.py).
+    if label in loop and "ar" in loop and entry["rounds"]:
+        # Both sides from in-loop probes timed interleaved at the generation's buffer
+        # length (loop_costs.py): T_AR = prompts * P_AR + N * T_target(1).
         usage = entry["exit_usage"] if any(entry["exit_usage"]) else [1.0]
-        pred = theory.loop_speedup(1.0 / ar_agg["tokens_per_second"], 0.0,
+        pred = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
                                    loop[label]["round_s"], usage, loop[label]["prefill_s"],
                                    prompts=prompts, tokens=entry["new_tokens"],
                                    rounds=entry["rounds"])
@@ -246,13 +251,34 @@ def phase_costs(decoder: Decoder, prompt: list[int], *, max_new_tokens: int, rep
     return steps, min(verify)
 
 
+def cost_probes(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
+                temperatures: Sequence[float], max_len: int) -> dict:
+    """{str(T): {label: LoopProbe}}, compiled, for every method: sample them between the
+    benchmark's prompts (run_target's `between`) so that costs and runs are timed side by
+    side, then pass them to measure_costs."""
+    from s2d_jax.loop_costs import LoopProbe
+
+    return {str(float(t)): {s.label: LoopProbe(decoders[s.label], prompt, max_len=max_len,
+                                               temperature=float(t)) for s in specs}
+            for t in temperatures}
+
+
+def sample_probes(probes: dict) -> None:
+    for per_label in probes.values():
+        for probe in per_label.values():
+            probe.sample()
+
+
 def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
-                  max_new_tokens: int, temperatures: Sequence[float] = (0.0,)) -> dict:
+                  max_new_tokens: int, temperatures: Sequence[float] = (0.0,),
+                  max_len: int | None = None, probes: dict | None = None) -> dict:
     """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}
     (separately jitted phases, greedy: the split of a round), and "loop": {temperature:
-    {label: {"prefill_s", "round_s": [per forced exit]}}} timed inside the decode loop
-    (loop_costs.py; greedy and sampling are different programs), used for predictions."""
-    from s2d_jax.loop_costs import loop_costs
+    {label: {"prefill_s", "round_s": [per forced exit]}}} timed inside the decode loop at
+    the generation's buffer length max_len (loop_costs.py; greedy and sampling are
+    different programs), used for predictions: from `probes` (cost_probes, sampled
+    during the runs) when given, else timed here."""
+    from s2d_jax.loop_costs import measure_loop_costs
 
     costs = {"draft_exits": {}, "target_verify": {}, "loop": {}}
     for s in specs:
@@ -260,8 +286,12 @@ def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
             steps, verify = phase_costs(decoders[s.label], prompt,
                                         max_new_tokens=max_new_tokens)
             costs["draft_exits"][s.label], costs["target_verify"][s.label] = steps, verify
+    if probes is not None:
+        costs["loop"] = {t: {label: p.result() for label, p in per_label.items()}
+                         for t, per_label in probes.items()}
+        return costs
     for t in temperatures:
-        costs["loop"][str(float(t))] = {
-            s.label: loop_costs(decoders[s.label], prompt, temperature=float(t))
-            for s in specs}
+        costs["loop"][str(float(t))] = measure_loop_costs(
+            {s.label: decoders[s.label] for s in specs}, prompt, max_len=max_len,
+            temperature=float(t))
     return costs

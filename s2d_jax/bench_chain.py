@@ -1,9 +1,9 @@
 """Polybasic chains in the benchmark: draft -> intermediate -> target next to AR and
 two-level S2D, with the Lemma 3.1 prediction and the insertion verdict.
 
-A chain is `NAME=MID[:int8|int4]`: on target NAME, MID is either `int8` / `int4` (the
-target's own weight-only quantization) or a model dir (optionally quantized). Its draft,
-exits, thresholds and gamma are those of the two-level baseline (s2d-cal when the target
+A chain is `NAME=MID[:int8|int4|w8a8]`: on target NAME, MID is either `int8` / `int4` /
+`w8a8` (the target's own quantization, quantize.py) or a model dir (optionally quantized).
+Its draft, exits, thresholds and gamma are those of the two-level baseline (s2d-cal when the target
 is calibrated, else s2d-0.5); mu defaults to gamma. The chain's batch-1 runs are
 interleaved with every other method by bench.run_target; this file adds what only chains
 need (see `bench_chains`).
@@ -47,7 +47,7 @@ class ChainSpec:
 
     target: str  # the target's name in --targets
     intermediate: str  # a model dir, or "" for the target itself
-    quantize: str | None  # weight-only quantization of the intermediate (int8 / int4)
+    quantize: str | None  # quantization of the intermediate (quantize.MODES)
     mu: int | None = None  # accumulation length; None = the baseline's gamma
 
     @property
@@ -66,7 +66,7 @@ class ChainSpec:
 
 
 def parse_chain(text: str, mu: int | None = None) -> ChainSpec:
-    """`NAME=int8|int4` or `NAME=DIR[:int8|int4]` -> ChainSpec."""
+    """`NAME=MODE` or `NAME=DIR[:MODE]` (MODE in quantize.MODES) -> ChainSpec."""
     name, sep, mid = text.partition("=")
     if not sep or not name or not mid:
         raise S2DError(f"--chain {text!r} is not NAME=MID; e.g. l=int8 or "

@@ -112,8 +112,9 @@ def chain_tables(report: dict) -> str:
                 f"| {_fmt(q.get('identical_fraction'))} | {_fmt(q.get('mean_prefix_match'))} |")
     out = "\n".join(main + levels) + "\n"
     if quant:
-        out += "\n".join(["", "Quantized intermediates (weight-only; greedy AR of the quantized "
-                          "target vs the full-precision target on the bench prompts):", "",
+        out += "\n".join(["", "Quantized intermediates (int8 / int4 weight-only, w8a8 int8 "
+                          "weights and activations; greedy AR of the quantized target vs the "
+                          "full-precision target on the bench prompts):", "",
                           "| target | chain | mode | params MB quantized / full | MB saved | "
                           "AR identical | mean prefix match |",
                           "|---|---|---|---|---|---|---|"] + quant) + "\n"

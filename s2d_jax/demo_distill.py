@@ -25,9 +25,9 @@ from s2d_jax.errors import S2DError
 def mixture_prompts(train_paragraphs: list[str], n: int, seed: int) -> list[str]:
     """n prompts "TAG:\\nfirst line\\n" from distinct random training speeches (seeded;
     callers split one draw when they need disjoint sets)."""
-    from s2d_jax.demo_family import _speech
+    from s2d_jax.demo_questions import speech
 
-    speeches = [s for s in (_speech(p) for p in train_paragraphs) if s]
+    speeches = [s for s in (speech(p) for p in train_paragraphs) if s]
     if len(speeches) < n:
         raise S2DError(f"the train split has {len(speeches)} speeches, need {n} prompts; "
                        f"use a larger corpus")

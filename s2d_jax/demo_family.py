@@ -3,7 +3,8 @@
 Stages (each can run alone; `all` runs them in order):
   tokenizer: split tinyshakespeare by paragraphs (blank-line separated speeches) into the
              first 90% (train) and last 10% (held out), train the byte-level BPE on the
-             train split, write the Spec-Bench-format prompt set from the held-out split.
+             train split, write the Spec-Bench-format benchmark prompts and the disjoint
+             calibration (dev) prompts from the held-out split (demo_questions.py).
   targets:   plain LM training (one exit) of demo-s/m/l from random init, float32, then a
              bfloat16 HF export to `<out>/target-{s,m,l}`.
   mixture:   each float32 target continues training-speech openings greedily and at T = 1;
@@ -31,6 +32,7 @@ import time
 
 import numpy as np
 
+from s2d_jax.demo_questions import make_question_sets
 from s2d_jax.errors import S2DError
 
 STAGES = ("tokenizer", "targets", "mixture", "draft", "eval", "all")
@@ -46,14 +48,13 @@ TARGET_STEPS = {"s": 240, "m": 140, "l": 90}
 MIXTURE_PROMPTS = 256
 MIXTURE_NEW_TOKENS = 128
 MAT_PROMPTS = 12
-CALIBRATION_PROMPTS = 16  # data/demo_calibration.jsonl, for python -m infer.calibrate
+# A third set of training speeches is drawn and left unused: it held infer.calibrate's
+# prompts before they moved to a held-out dev set (demo_questions.py); keeping the draw
+# keeps the mixture and MAT prompts of the committed family reproducible.
+UNUSED_DRAW = 16
 DRAFT_VARIANTS = ("corpus", "mixture")
 HELD_OUT_FRACTION = 0.1
 VOCAB_SIZE = 2048
-QUESTION_CATEGORIES = ("speaker", "line", "passage", "dialogue")
-QUESTIONS_PER_CATEGORY = 10
-# A speech in tinyshakespeare starts with its speaker tag on a line of its own.
-_SPEAKER_TAG = re.compile(r"^[A-Z][A-Za-z' .,-]*:$")
 _PARAGRAPH_SPLIT = re.compile(r"\n[ \t]*\n")
 
 
@@ -121,13 +122,13 @@ class SmokeSettings:
 def stage_outputs(paths: FamilyPaths, stage: str) -> list[str]:
     """The committed outputs a stage (re)writes; they are refused without overwrite."""
     if stage == "tokenizer":
-        return [paths.questions]
+        return [paths.questions, paths.calibration]
     if stage == "targets":
         return [paths.target(s) for s in TARGETS]
     if stage == "draft":
         return [paths.draft]
     if stage == "mixture":
-        return [paths.calibration]  # and the scratch run_dir/mixture.txt
+        return []  # only writes run_dir/mixture.txt
     if stage == "eval":
         return []  # only writes run_dir/report-eval.json
     return [p for s in STAGES[:-1] for p in stage_outputs(paths, s)]
@@ -182,53 +183,6 @@ def _write_text(path: str, text: str) -> None:
         raise
 
 
-def _speech(paragraph: str) -> tuple[str, list[str]] | None:
-    """(speaker tag, lines) if the paragraph is a speech, else None."""
-    lines = paragraph.split("\n")
-    if len(lines) < 2 or not _SPEAKER_TAG.match(lines[0]):
-        return None
-    return lines[0], lines[1:]
-
-
-def make_questions(held_out: list[str], seed: int = 0,
-                   per_category: int = QUESTIONS_PER_CATEGORY) -> list[dict]:
-    """Spec-Bench-format prompts from held-out speeches, 4 categories, seeded.
-
-    speaker: "TAG:\\n"; line: tag + first line; passage: tag + first 3 lines (speeches of
-    >= 4 lines, so the model continues mid-speech); dialogue: a whole speech + a blank line
-    + the next speaker's tag.
-    """
-    speeches = [(i, s) for i, s in ((i, _speech(p)) for i, p in enumerate(held_out)) if s]
-    rng = np.random.default_rng(seed)
-    candidates = {
-        "speaker": [i for i, _ in speeches],
-        "line": [i for i, _ in speeches],
-        "passage": [i for i, (_, lines) in speeches if len(lines) >= 4],
-        "dialogue": [i for i, (_, lines) in speeches
-                     if i + 1 < len(held_out) and _speech(held_out[i + 1])
-                     and len(lines) <= 8],
-    }
-    out, qid = [], 1
-    for cat in QUESTION_CATEGORIES:
-        pool = candidates[cat]
-        if len(pool) < per_category:
-            raise S2DError(f"held-out split has {len(pool)} speeches usable for the {cat!r} "
-                           f"prompts, need {per_category}; use a larger corpus")
-        for i in sorted(rng.choice(pool, size=per_category, replace=False).tolist()):
-            tag, lines = _speech(held_out[i])
-            if cat == "speaker":
-                text = f"{tag}\n"
-            elif cat == "line":
-                text = f"{tag}\n{lines[0]}\n"
-            elif cat == "passage":
-                text = f"{tag}\n" + "".join(f"{ln}\n" for ln in lines[:3])
-            else:
-                text = f"{held_out[i]}\n\n{_speech(held_out[i + 1])[0]}\n"
-            out.append({"question_id": qid, "category": cat, "turns": [text]})
-            qid += 1
-    return out
-
-
 def stage_tokenizer(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
     from s2d_jax.bpe import train_bpe
 
@@ -238,10 +192,11 @@ def stage_tokenizer(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) 
     _write_text(paths.heldout_split, "\n\n".join(held_out) + "\n")
     vocab = smoke.vocab_size if smoke else VOCAB_SIZE
     train_bpe([paths.train_split], vocab, paths.tokenizer, overwrite=True)
-    questions = make_questions(held_out, per_category=2 if smoke else QUESTIONS_PER_CATEGORY)
+    questions, dev = make_question_sets(held_out, *((2, 1) if smoke else ()))
     _write_text(paths.questions, "".join(json.dumps(q) + "\n" for q in questions))
+    _write_text(paths.calibration, "".join(json.dumps(q) + "\n" for q in dev))
     log(f"[tokenizer] {len(train)} train / {len(held_out)} held-out paragraphs, vocab {vocab}, "
-        f"{len(questions)} prompts -> {paths.questions}")
+        f"{len(questions)} prompts -> {paths.questions}, {len(dev)} -> {paths.calibration}")
     return {"train_paragraphs": len(train), "heldout_paragraphs": len(held_out),
             "vocab_size": vocab, "questions": len(questions)}
 
@@ -330,7 +285,7 @@ def stage_targets(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bo
 def _held_in_prompts(paths: FamilyPaths, smoke: SmokeSettings | None) -> tuple[list, ...]:
     from s2d_jax.demo_distill import held_in_prompts
 
-    sizes = (4, 2, 2) if smoke else (MIXTURE_PROMPTS, MAT_PROMPTS, CALIBRATION_PROMPTS)
+    sizes = (4, 2, 2) if smoke else (MIXTURE_PROMPTS, MAT_PROMPTS, UNUSED_DRAW)
     return held_in_prompts(read_paragraphs(paths.train_split), sizes)
 
 
@@ -340,10 +295,7 @@ def stage_mixture(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) ->
     targets = {f"target-{s}": paths.target_f32(s) for s in TARGETS}
     for p in [*targets.values(), paths.train_split]:
         _require(p, "an output of the targets stage")
-    prompts, _, calibration = _held_in_prompts(paths, smoke)
-    _write_text(paths.calibration, "".join(
-        json.dumps({"question_id": i + 1, "category": "held-in", "turns": [p]}) + "\n"
-        for i, p in enumerate(calibration)))
+    prompts, _, _ = _held_in_prompts(paths, smoke)
     texts = generate_mixture(targets, prompts,
                              max_new_tokens=8 if smoke else MIXTURE_NEW_TOKENS, log=log)
     paras = [t.strip("\n") for ts in texts.values() for t in ts]

@@ -7,16 +7,28 @@ speedup prediction goes wrong. Here the compiled prefill and round loop
 (engine.prefill / engine.decode_chunk, the very programs a generation runs) are timed:
 
   prefill_s  one prefill (target and draft over the prompt, first token)
-  round_s    (min T(2K rounds) - min T(K rounds)) / K from the same post-prefill state
-             (K = 24), so the loop's setup and the call's dispatch cancel out.
+  round_s    (median T(K rounds) - median T(0 rounds)) / K from the same post-prefill
+             state, K as many rounds as the generation's buffer holds (<= 48): the empty
+             call takes out the dispatch and the loop's setup.
+
+Three things made earlier versions of this probe miss by up to 40%, each measured here:
+  - The buffer length sets the cost of every step (attention and cache updates run over
+    the whole static buffer): a 128-slot probe timed target-s's AR step at 0.45 ms where
+    the benchmark's 256-slot generations pay 0.73 ms. Probes use the generation's max_len.
+  - A difference of two minima, (min T(2K) - min T(K)) / K, is noisy on a shared 2-core
+    machine (it once put an exit-1, gamma-2 round of target-s below an AR step).
+  - Timing after the benchmark instead of during it: machine speed drifts. bench.py calls
+    `sample()` of every probe after each prompt's runs, so probes and runs see the same
+    machine, and medians compare with the runs' averages.
 
 Thresholds are traced, so forcing every drafted token to stop at exit j (threshold 0 at j,
-1 before it) reuses one compilation per method; a round costs the same whatever is
-accepted (shapes are static), so K rounds of any text give the per-round cost.
+1 before it) reuses one compilation per method; a two-level round costs the same whatever
+is accepted (shapes are static), so K rounds of any text give the per-round cost.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import jax
@@ -25,7 +37,7 @@ import jax.numpy as jnp
 from s2d_jax import engine
 from s2d_jax.errors import S2DError
 
-ROUNDS = 24
+MAX_ROUNDS = 48
 
 
 def forced_exit_thresholds(num_exits: int, j: int) -> list[float]:
@@ -33,52 +45,84 @@ def forced_exit_thresholds(num_exits: int, j: int) -> list[float]:
     return [1.0] * j + [0.0] * (num_exits - j)
 
 
-def loop_costs(decoder, prompt: list[int], *, temperature: float = 0.0, rounds: int = ROUNDS,
-               trials: int = 3) -> dict:
-    """{"prefill_s", "round_s": [per forced exit (one entry for ar)]}, best of `trials`."""
-    spec0 = decoder.spec_base
-    span = spec0.round_span
-    new = 2 * rounds * span + 2  # the prefill adds 1 token: no row finishes in 2K rounds
-    _, arr, _ = decoder.prepare([prompt], new, None)
-    max_len = -(-(arr.shape[1] + new + span) // 64) * 64  # the padded prompt + 2K rounds
-    spec, arr, lens = decoder.prepare([prompt], new, max_len)
-    m = max(spec.num_exits, 1)
-    kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
-              mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
-    out = {"prefill_s": None, "round_s": []}
-    compiled = None
-    for j in range(m):
-        th = forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None
-        dp = decoder.decode_params(spec, th, temperature=temperature, max_new_tokens=new,
-                                   eos_id=-1)
-        args = (decoder.draft_params, decoder.target_params, arr, lens, dp, jax.random.key(0),
-                decoder.mid_params)
-        if compiled is None:
-            first = engine.prefill.lower(*args, **kw).compile()
-            state_shape = jax.eval_shape(lambda: first(*args))
-            loop_args = (decoder.draft_params, decoder.target_params, dp, jnp.int32(rounds),
-                         decoder.mid_params)
-            chunk = engine.decode_chunk.lower(state_shape, *loop_args, **kw).compile()
-            compiled = (first, chunk)
-        first, chunk = compiled
-        state = jax.block_until_ready(first(*args))
-        prefill, times = [], {rounds: [], 2 * rounds: []}
-        for _ in range(trials):
+class LoopProbe:
+    """The compiled prefill and round loop of one decoder, timed per forced exit.
+
+    Construct (compiles), call `sample()` any number of times (one timed trial of each
+    forced exit: prefill, 0 rounds, K rounds), then `result()`.
+    """
+
+    def __init__(self, decoder, prompt: list[int], *, max_len: int | None = None,
+                 temperature: float = 0.0, rounds: int = MAX_ROUNDS):
+        self.decoder = decoder
+        span = decoder.spec_base.round_span
+        _, arr, _ = decoder.prepare([prompt], 1, None)
+        width = arr.shape[1]
+        if max_len is None:  # room for `rounds` rounds that each add a whole block
+            max_len = -(-(width + rounds * span + 2 + span) // 64) * 64
+        rounds = min(rounds, (max_len - width - span - 2) // span)
+        if rounds < 2:
+            raise S2DError(f"a buffer of {max_len} tokens leaves no room to time rounds of "
+                           f"{span} tokens after a {width}-token prompt; raise max_len")
+        self.rounds = rounds
+        new = max_len - width - 1  # no row runs out of budget before the buffer
+        spec, self.arr, self.lens = decoder.prepare([prompt], new, max_len)
+        self.spec = spec
+        kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
+                  mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
+        self.dps = [decoder.decode_params(
+            spec, forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None,
+            temperature=temperature, max_new_tokens=new, eos_id=-1)
+            for j in range(max(spec.num_exits, 1))]
+        args = self._prefill_args(self.dps[0])
+        self.first = engine.prefill.lower(*args, **kw).compile()
+        state_shape = jax.eval_shape(lambda: self.first(*args))
+        self.chunk = engine.decode_chunk.lower(state_shape, *self._loop_args(self.dps[0], rounds),
+                                               **kw).compile()
+        self.prefill_s = []
+        self.times = [{0: [], rounds: []} for _ in self.dps]
+
+    def _prefill_args(self, dp):
+        d = self.decoder
+        return (d.draft_params, d.target_params, self.arr, self.lens, dp, jax.random.key(0),
+                d.mid_params)
+
+    def _loop_args(self, dp, k):
+        d = self.decoder
+        return (d.draft_params, d.target_params, dp, jnp.int32(k), d.mid_params)
+
+    def sample(self) -> None:
+        for dp, times in zip(self.dps, self.times):
+            args = self._prefill_args(dp)
             t0 = time.perf_counter()
-            jax.block_until_ready(first(*args))
-            prefill.append(time.perf_counter() - t0)
+            state = jax.block_until_ready(self.first(*args))
+            self.prefill_s.append(time.perf_counter() - t0)
             for k in times:
                 s = jax.block_until_ready(jax.tree.map(jnp.copy, state))  # chunk donates it
                 t0 = time.perf_counter()
-                s = jax.block_until_ready(chunk(s, decoder.draft_params, decoder.target_params,
-                                                dp, jnp.int32(k), decoder.mid_params))
+                s = jax.block_until_ready(self.chunk(s, *self._loop_args(dp, k)))
                 times[k].append(time.perf_counter() - t0)
-                if bool(s.done[0]) or int(s.round) != k:
+                if k and (bool(s.done[0]) or int(s.round) != k):
                     raise S2DError(f"cost measurement ended after {int(s.round)} of {k} "
-                                   f"rounds; the buffer of {spec.max_len} is too short")
-        # Minimum of each, then the difference: the stable statistic on a shared machine.
-        per_round = (min(times[2 * rounds]) - min(times[rounds])) / rounds
-        out["round_s"].append(max(per_round, 1e-9))
-        out["prefill_s"] = min(prefill) if out["prefill_s"] is None else min(out["prefill_s"],
-                                                                              min(prefill))
-    return out
+                                   f"rounds; the buffer of {self.spec.max_len} is too short")
+
+    def result(self) -> dict:
+        """{"prefill_s", "round_s": [per forced exit], ...}: medians over the samples."""
+        if not self.prefill_s:
+            raise S2DError("LoopProbe.result() before any sample(); call sample() first")
+        k, med = self.rounds, statistics.median
+        per_round = [max((med(t[k]) - med(t[0])) / k, 1e-9) for t in self.times]
+        return {"prefill_s": med(self.prefill_s), "round_s": per_round, "rounds": k,
+                "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
+
+
+def measure_loop_costs(decoders: dict, prompt: list[int], *, max_len: int | None = None,
+                       temperature: float = 0.0, trials: int = 5) -> dict:
+    """{label: LoopProbe.result()} for every decoder, with the trials interleaved over the
+    decoders (trial 1 of each, then trial 2 of each, ...)."""
+    probes = {label: LoopProbe(d, prompt, max_len=max_len, temperature=temperature)
+              for label, d in decoders.items()}
+    for _ in range(trials):
+        for probe in probes.values():
+            probe.sample()
+    return {label: probe.result() for label, probe in probes.items()}

@@ -102,21 +102,30 @@ def _attention(q, k, v, mask, cfg: ModelConfig):
     return out.reshape(B, T, cfg.num_heads, H)
 
 
+def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
+    """einsum(eq, x, w) contracting x's trailing axes with w's leading ones. `w` is an
+    array or a quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run
+    an int8 matmul on the fly-quantized x."""
+    if getattr(w, "act_bits", 0):
+        return w.matmul(x).astype(dt)
+    return jnp.einsum(eq, x, w.astype(dt))
+
+
 def _block(lp, h, cos, sin, cfg: ModelConfig, attend):
     """One decoder block. `attend(k_new, v_new) -> (k_all, v_all, mask)` supplies keys."""
     dt = h.dtype
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("BTD,DNH->BTNH", x, lp["wq"].astype(dt))
-    k = jnp.einsum("BTD,DKH->BTKH", x, lp["wk"].astype(dt))
-    v = jnp.einsum("BTD,DKH->BTKH", x, lp["wv"].astype(dt))
+    q = dense("BTD,DNH->BTNH", x, lp["wq"], dt)
+    k = dense("BTD,DKH->BTKH", x, lp["wk"], dt)
+    v = dense("BTD,DKH->BTKH", x, lp["wv"], dt)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_all, v_all, mask, extra = attend(k, v)
     attn = _attention(q, k_all, v_all, mask, cfg)
-    h = h + jnp.einsum("BTNH,NHD->BTD", attn, lp["wo"].astype(dt))
+    h = h + dense("BTNH,NHD->BTD", attn, lp["wo"], dt)
     x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("BTD,DF->BTF", x, lp["w_gate"].astype(dt))
-    up = jnp.einsum("BTD,DF->BTF", x, lp["w_up"].astype(dt))
-    h = h + jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"].astype(dt))
+    gate = dense("BTD,DF->BTF", x, lp["w_gate"], dt)
+    up = dense("BTD,DF->BTF", x, lp["w_up"], dt)
+    h = h + dense("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"], dt)
     return h, extra
 
 
@@ -212,7 +221,7 @@ def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
     if cfg.tie_word_embeddings:
         w = params["embed"].astype(x.dtype)
         return jnp.einsum("...D,VD->...V", x, w).astype(jnp.float32)
-    return jnp.einsum("...D,DV->...V", x, params["lm_head"].astype(x.dtype)).astype(jnp.float32)
+    return dense("...D,DV->...V", x, params["lm_head"], x.dtype).astype(jnp.float32)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,

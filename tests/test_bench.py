@@ -90,7 +90,11 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
     assert set(loop) == {"ar", "s2d-0.5", "s2d-cal"}
     assert len(loop["s2d-0.5"]["round_s"]) == 2 and min(loop["s2d-0.5"]["round_s"]) > 0
     assert loop["s2d-0.5"]["prefill_s"] > 0
-    exp = theory.loop_speedup(1 / res["ar"]["tokens_per_second"], 0.0,
+    # AR's side from its own probe, at the generation's buffer length
+    assert loop["ar"]["max_len"] == loop["s2d-0.5"]["max_len"] and loop["ar"]["rounds"] >= 2
+    # the probes were sampled once after each prompt, side by side with the runs
+    assert loop["ar"]["trials"] == loop["s2d-0.5"]["trials"] == 2
+    exp = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
                               loop["s2d-0.5"]["round_s"], m["exit_usage"],
                               loop["s2d-0.5"]["prefill_s"], prompts=2, tokens=m["new_tokens"],
                               rounds=m["rounds"])["predicted_speedup"]

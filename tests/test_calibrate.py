@@ -125,6 +125,8 @@ def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
     assert "does not exist" in _error(capsys, base + ["--draft", str(tmp_path / "nope")])
     assert "gammas" in _error(capsys, base + ["--draft", str(family / "draft"), "--gammas", "0"])
     assert "single exit" in _error(capsys, base + ["--draft", str(family / "single")])
+    assert "--repeats" in _error(capsys, base + ["--draft", str(family / "draft"),
+                                                 "--repeats", "0"])
     assert "does not exist" in _error(capsys, ["--target", str(family / "target"), "--draft",
                                                str(family / "draft"), "--questions",
                                                str(tmp_path / "q.jsonl")])

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from s2d_jax import demo_family as df
+from s2d_jax import demo_questions as dq
 from s2d_jax import model
 from s2d_jax.checkpoint import load_model
 from s2d_jax.errors import S2DError
@@ -106,9 +107,16 @@ def test_questions_come_from_held_out_split(family):
         held = f.read()
     assert [q["question_id"] for q in qs] == list(range(1, len(qs) + 1))
     cats = [q["category"] for q in qs]
-    assert sorted(set(cats)) == sorted(df.QUESTION_CATEGORIES)
-    assert all(cats.count(c) == 2 for c in df.QUESTION_CATEGORIES)
-    for q in qs:
+    assert sorted(set(cats)) == sorted(dq.QUESTION_CATEGORIES)
+    assert all(cats.count(c) == 2 for c in dq.QUESTION_CATEGORIES)
+    with open(paths.calibration) as f:
+        dev = [json.loads(line) for line in f]
+    assert [q["category"] for q in dev] == list(dq.QUESTION_CATEGORIES)
+    # The dev prompts come from held-out speeches the benchmark's prompts do not read.
+    texts = [q["turns"][0] for q in qs]
+    assert not any(d["turns"][0].split("\n")[1] and d["turns"][0].split("\n")[1] in t
+                   for d in dev for t in texts if d["category"] != "speaker")
+    for q in qs + dev:
         (text,) = q["turns"]
         assert text in held or text.rstrip("\n") in held, q
         tag = text.split("\n")[0] if q["category"] != "dialogue" else text.rstrip("\n").split("\n")[-1]
@@ -160,10 +168,10 @@ def test_make_questions_categories_and_determinism():
     names = [f"SPEAKER {chr(65 + i // 26)}{chr(65 + i % 26)}" for i in range(40)]
     held = [f"{n}:\n" + "\n".join(f"line {i}.{j}" for j in range(4 + i % 3))
             for i, n in enumerate(names)]
-    qs = df.make_questions(held, seed=5, per_category=3)
-    assert qs == df.make_questions(held, seed=5, per_category=3)
-    assert qs != df.make_questions(held, seed=6, per_category=3)
-    by_cat = {c: [q["turns"][0] for q in qs if q["category"] == c] for c in df.QUESTION_CATEGORIES}
+    qs = dq.make_questions(held, seed=5, per_category=3)
+    assert qs == dq.make_questions(held, seed=5, per_category=3)
+    assert qs != dq.make_questions(held, seed=6, per_category=3)
+    by_cat = {c: [q["turns"][0] for q in qs if q["category"] == c] for c in dq.QUESTION_CATEGORIES}
     for t in by_cat["speaker"]:
         assert t.count("\n") == 1 and t.endswith(":\n")
     for t in by_cat["line"]:
@@ -175,7 +183,12 @@ def test_make_questions_categories_and_determinism():
         i = names.index(speech.split(":")[0])
         assert speech == held[i] and nxt == f"{names[i + 1]}:\n"
     with pytest.raises(S2DError, match="usable"):
-        df.make_questions(held[:3], per_category=3)  # 2 speeches have a next speech
+        dq.make_questions(held[:3], per_category=3)  # 2 speeches have a next speech
+    bench, dev = dq.make_question_sets(held, per_category=2, dev_per_category=2)
+    assert bench == dq.make_questions(held, per_category=2)
+    assert {q["turns"][0] for q in dev}.isdisjoint(q["turns"][0] for q in bench)
+    with pytest.raises(S2DError, match="usable"):
+        dq.make_question_sets(held[:12], per_category=3, dev_per_category=3)
 
 
 def test_bad_stage_and_tiny_corpus(tmp_path):
@@ -215,9 +228,6 @@ def test_draft_is_the_better_of_corpus_and_mixture_soft(family):
     texts = df.read_paragraphs(paths.mixture)
     assert len(texts) >= 3 * 4 * 2
     heldout = open(paths.heldout_split, encoding="utf-8").read()
-    prompts, mat_prompts, calibration = df._held_in_prompts(paths, SMOKE)
-    assert len(set(prompts + mat_prompts + calibration)) == len(prompts + mat_prompts +
-                                                                calibration)
-    assert not any(p in heldout for p in prompts + mat_prompts + calibration)
-    with open(paths.calibration) as f:
-        assert [json.loads(line)["turns"][0] for line in f] == calibration
+    prompts, mat_prompts, _ = df._held_in_prompts(paths, SMOKE)
+    assert len(set(prompts + mat_prompts)) == len(prompts + mat_prompts)
+    assert not any(p in heldout for p in prompts + mat_prompts)

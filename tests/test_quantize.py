@@ -1,5 +1,6 @@
-"""Weight-only int8 / int4 quantization: error bounds, packing, memory, and the quantized
-params running unchanged through model.py (scan slicing, layer ranges, tied/untied head)."""
+"""int8 / int4 (weight-only) and w8a8 quantization: error bounds, packing, memory, the int8
+matmul of w8a8, and the quantized params running unchanged through model.py (scan slicing,
+layer ranges, tied/untied head)."""
 
 import dataclasses
 
@@ -85,13 +86,13 @@ def test_quantized_params_run_through_the_model(tied):
     fwd = jax.jit(lambda p, t: model.forward(p, cfg, t)[0])
     ref = np.asarray(fwd(params, tokens))
     agreement = {}
-    for mode in ("int8", "int4"):
+    for mode in ("int8", "int4", "w8a8"):
         qp = quantize_params(params, mode, group=32)
         out = np.asarray(fwd(qp, tokens))
         rel = np.abs(out - ref).max() / np.abs(ref).max()
         agreement[mode] = float((out.argmax(-1) == ref.argmax(-1)).mean())
         print(f"{mode} tied={tied}: max |logit error| / max |logit| = {rel:.4f}")
-        assert rel < (0.04 if mode == "int8" else 0.4), (mode, rel)
+        assert rel < {"int8": 0.04, "int4": 0.4, "w8a8": 0.08}[mode], (mode, rel)
         assert rel > 0  # the quantized model really is a different model
         # A layer range of a quantized stack is a slice too (sorted-draft exits).
         h = model.embed_tokens(qp, cfg, tokens)
@@ -101,3 +102,30 @@ def test_quantized_params_run_through_the_model(tied):
         np.testing.assert_allclose(np.asarray(model.lm_logits(qp, cfg, h2)), out, atol=1e-4)
     print(f"greedy agreement vs full precision (tied={tied}): {agreement}")
     assert agreement["int8"] >= 0.95 and agreement["int4"] >= 0.6, agreement
+    assert agreement["w8a8"] >= 0.9, agreement
+
+
+@pytest.mark.parametrize("name,n_in_axes,shape", [("w_gate", 1, (32, 48)),
+                                                  ("wo", 2, (4, 8, 32))])
+def test_w8a8_matmul_is_an_int8_product_within_its_rounding(name, n_in_axes, shape):
+    """QuantizedWeight.matmul multiplies int8 by int8 into int32 (checked in the jaxpr) and
+    stays within the error of rounding both operands (an independent numpy bound)."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((3, 5) + shape[:n_in_axes]).astype(np.float32)
+    x[0, 0] = 0.0  # an all-zero row must survive (scale fallback)
+    qw = quantize_weight(jnp.asarray(w), n_in_axes, 8, act_bits=8)
+    y = np.asarray(jax.jit(qw.matmul)(jnp.asarray(x)))
+    n_in = int(np.prod(shape[:n_in_axes]))
+    x2, w2 = x.reshape(15, n_in), w.reshape(n_in, -1)
+    ref = (x2 @ w2).reshape(y.shape)
+    assert y.shape == (3, 5) + shape[n_in_axes:]
+    # |x w - x' w'| <= |x| |w - w'| + |x - x'| |w'| with half-step errors of each scale.
+    dx = np.abs(x2).max(1, keepdims=True) / 127 / 2
+    dw = np.abs(w2).max(0, keepdims=True) / 127 / 2
+    bound = (np.abs(x2) @ np.broadcast_to(dw, w2.shape) + dx * np.abs(w2).sum(0)
+             + dx * dw * n_in).reshape(y.shape)
+    assert (np.abs(y - ref) <= bound * 1.001 + 1e-6).all()
+    assert np.abs(y - ref).max() > 1e-5 and (y[0, 0] == 0).all()
+    jaxpr = str(jax.make_jaxpr(qw.matmul)(jnp.asarray(x)))
+    assert "preferred_element_type=int32" in jaxpr and "i8[" in jaxpr

@@ -4,8 +4,9 @@
                                 [--stage tokenizer|targets|mixture|draft|eval|all]
 
 Trains on data/tinyshakespeare.txt (first 90% of its paragraphs; the last 10% are held
-out and give data/demo_questions.jsonl, the benchmark's prompts; training speeches give
-data/demo_calibration.jsonl, the held-in prompts of python -m infer.calibrate). Scratch files go to --run-dir. --smoke runs the
+out and give data/demo_questions.jsonl, the benchmark's prompts, and the disjoint
+data/demo_calibration.jsonl, the dev prompts of python -m infer.calibrate). Scratch files
+go to --run-dir. --smoke runs the
 same pipeline on a small slice with shrunk models and 3 steps per model (seconds), and
 writes its prompts inside --run-dir instead of data/.
 """
