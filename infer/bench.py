@@ -181,8 +181,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                             between=lambda: bench.sample_probes(probes))
     log(f"[{name}] measuring per-call costs")
     costs = bench.measure_costs(decoders, specs, prompts[0],
-                                max_new_tokens=args.max_new_tokens, temperatures=temps,
-                                max_len=max_len, probes=probes)
+                                max_new_tokens=args.max_new_tokens, probes=probes)
     cats = [q["category"] for q in questions]
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,

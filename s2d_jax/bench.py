@@ -270,28 +270,18 @@ def sample_probes(probes: dict) -> None:
 
 
 def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
-                  max_new_tokens: int, temperatures: Sequence[float] = (0.0,),
-                  max_len: int | None = None, probes: dict | None = None) -> dict:
+                  max_new_tokens: int, probes: dict) -> dict:
     """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}
     (separately jitted phases, greedy: the split of a round), and "loop": {temperature:
-    {label: {"prefill_s", "round_s": [per forced exit]}}} timed inside the decode loop at
-    the generation's buffer length max_len (loop_costs.py; greedy and sampling are
-    different programs), used for predictions: from `probes` (cost_probes, sampled
-    during the runs) when given, else timed here."""
-    from s2d_jax.loop_costs import measure_loop_costs
-
-    costs = {"draft_exits": {}, "target_verify": {}, "loop": {}}
+    {label: {"prefill_s", "round_s": [per forced exit], ...}}} from `probes` (cost_probes,
+    timed inside the decode loop at the generation's buffer length and sampled during the
+    runs; greedy and sampling are different programs), used for predictions."""
+    costs = {"draft_exits": {}, "target_verify": {}}
     for s in specs:
         if s.method != "ar":
             steps, verify = phase_costs(decoders[s.label], prompt,
                                         max_new_tokens=max_new_tokens)
             costs["draft_exits"][s.label], costs["target_verify"][s.label] = steps, verify
-    if probes is not None:
-        costs["loop"] = {t: {label: p.result() for label, p in per_label.items()}
-                         for t, per_label in probes.items()}
-        return costs
-    for t in temperatures:
-        costs["loop"][str(float(t))] = measure_loop_costs(
-            {s.label: decoders[s.label] for s in specs}, prompt, max_len=max_len,
-            temperature=float(t))
+    costs["loop"] = {t: {label: p.result() for label, p in per_label.items()}
+                     for t, per_label in probes.items()}
     return costs

@@ -114,15 +114,3 @@ class LoopProbe:
         per_round = [max((med(t[k]) - med(t[0])) / k, 1e-9) for t in self.times]
         return {"prefill_s": med(self.prefill_s), "round_s": per_round, "rounds": k,
                 "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
-
-
-def measure_loop_costs(decoders: dict, prompt: list[int], *, max_len: int | None = None,
-                       temperature: float = 0.0, trials: int = 5) -> dict:
-    """{label: LoopProbe.result()} for every decoder, with the trials interleaved over the
-    decoders (trial 1 of each, then trial 2 of each, ...)."""
-    probes = {label: LoopProbe(d, prompt, max_len=max_len, temperature=temperature)
-              for label, d in decoders.items()}
-    for _ in range(trials):
-        for probe in probes.values():
-            probe.sample()
-    return {label: probe.result() for label, probe in probes.items()}
