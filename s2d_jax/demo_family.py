@@ -30,8 +30,6 @@ import re
 import tempfile
 import time
 
-import numpy as np
-
 from s2d_jax.demo_questions import make_question_sets
 from s2d_jax.errors import S2DError
 
