@@ -12,12 +12,13 @@ compilation is excluded from tokens/s. Writes to --out: report.json, report.md (
 printed), speedup.png, answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
 format). --hf-baseline also times HF transformers generate (plain, assisted), greedy.
 
-Polybasic chains (--chain NAME=MID[:int8|int4|w8a8], repeatable): draft -> MID -> target
-NAME, where MID is int8 / int4 / w8a8 (the target's own quantization: weight-only, or int8
-weights and activations) or a model dir
-(optionally quantized), with the two-level S2D run's exits, thresholds and gamma and
-accumulation length --mu (default gamma). Each chain runs interleaved with the other
-methods, then: per-level acceptance and costs, Lemma 3.1 predicted vs measured, the
+Polybasic chains (--chain NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M], repeatable): draft
+-> MID -> target NAME, where MID is int8 / int4 / w8a8 (the target's own quantization:
+weight-only, or int8 weights and activations) or a model dir (optionally quantized), with
+the two-level S2D run's exits and thresholds, its gamma unless gamma=G (then that
+two-level setting also runs at G, as <baseline>-gG, to compare with) and accumulation
+length mu=M (default --mu, else gamma). Each chain runs interleaved with the other
+methods, its per-call costs are sampled between prompts, then: per-level acceptance and costs, Lemma 3.1 predicted vs measured, the
 insertion verdict (predicted helps/hurts vs measured faster/slower than two-level S2D), a
 greedy batch-4 exactness check, and for a quantized target its memory and its own greedy
 agreement with the target. Written under targets.NAME.chains in report.json and as tables
@@ -50,13 +51,16 @@ def parse_args(argv):
     ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal")
     ap.add_argument("--self-exit", type=int, default=None)
     ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per prompt (median)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes over all prompts and methods; per prompt and method "
+                    "the median (a slow spell of the machine hits one pass)")
     ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--hf-baseline", action="store_true")
-    ap.add_argument("--chain", action="append", default=[], metavar="NAME=MID[:int8|int4|w8a8]",
+    ap.add_argument("--chain", action="append", default=[],
+                    metavar="NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M]",
                     help="a 3-level chain on target NAME with intermediate MID: int8 / int4 / w8a8 "
-                    "(the quantized target) or a model dir (repeatable)")
+                    "(the quantized target) or a model dir; gamma/mu of this chain (repeatable)")
     ap.add_argument("--mu", type=int, default=None,
                     help="the chains' accumulation length (default: gamma)")
     ap.add_argument("--quant-group", type=int, default=64, help="int4 group size (rows)")
@@ -145,6 +149,10 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     chain_specs, mids, baseline = [], {}, None
     if chains:
         baseline = bench_chain.pick_baseline(specs)
+        for c in chains:  # a chain at another gamma is compared with the baseline at it
+            base = bench_chain.chain_baseline(c, baseline)
+            if base.label not in {s.label for s in specs}:
+                specs.append(base)
         for c in chains:
             log(f"[{name}] loading chain intermediate {c.describe}")
             mids[c.label] = bench_chain.load_intermediate(c, cfg, params, dtype=args.dtype,
@@ -153,7 +161,8 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     width = bench.round_up(max(len(p) for p in prompts), 16)
     # the longest block a round verifies: gamma, or gamma + mu for a chain
     g_max = max([s.gamma for s in specs] + [1]
-                + [baseline.gamma + bench_chain.chain_mu(c, baseline) for c in chains])
+                + [bench_chain.chain_baseline(c, baseline).gamma
+                   + bench_chain.chain_mu(c, baseline) for c in chains])
     max_len = bench.round_up(width + args.max_new_tokens + g_max + 1, 64)
     context = min([cfg.max_position_embeddings]
                   + ([draft_cfg.max_position_embeddings] if draft_cfg else [])
@@ -174,11 +183,21 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     log(f"[{name}] compiling the in-loop cost probes (sampled after every prompt)")
     probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
                                max_len=max_len)
+    chain_probes = None
+    if chains:
+        chain_probes = bench_chain.ChainCostProbes(
+            list(chains), mids, baseline, cfg, params, draft_cfg, draft_params,
+            temperatures=temps, start=width, max_len=max_len)
+
+    def between():
+        bench.sample_probes(probes)
+        if chain_probes is not None:
+            chain_probes.sample()
     runs = bench.run_target(decoders, prompts, temperatures=temps,
                             max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
                             repeats=args.repeats,
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
-                            between=lambda: bench.sample_probes(probes))
+                            between=between)
     log(f"[{name}] measuring per-call costs")
     costs = bench.measure_costs(decoders, specs, prompts[0],
                                 max_new_tokens=args.max_new_tokens, probes=probes)
@@ -190,9 +209,8 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
            "results": results}
     if chains:
         out["chains"] = bench_chain.bench_chains(
-            list(chains), mids, decoders, baseline, runs["runs"], results,
-            costs["draft_exits"][baseline.label], prompts=prompts, target_cfg=cfg,
-            target_params=params, prompt_width=width, max_len=max_len,
+            list(chains), mids, decoders, baseline, runs["runs"], results, chain_probes,
+            prompts=prompts, prompt_width=width, max_len=max_len,
             max_new_tokens=args.max_new_tokens, eos_id=eos, log=log)
     return out, runs["runs"], notes
 

@@ -118,6 +118,11 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     `between()` runs after each prompt's runs (the cost probes' samples, cost_probes).
 
     Per prompt result: token_ids, seconds (median over repeats), stats of the last repeat.
+    Repeats are whole passes over the prompts (every method of every prompt, then again),
+    not runs back to back: the machine has slow spells of several seconds (a greedy AR run
+    of target-l once took 2.1 s instead of 0.62 s on both of two back-to-back repeats, and
+    one prompt's S2D run 2x its twin's on two of three repeats taken round the methods),
+    and minutes apart a spell hits one pass of a prompt, which the median drops.
     """
     labels = list(decoders)
     kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id)
@@ -125,22 +130,25 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     for label in labels:  # warm-up: compiles, and first-run effects stay out of the timings
         out = decoders[label].generate([prompts[0]], temperature=float(temperatures[0]), **kw)
         compile_s[label] = out[0]["stats"]["compile_seconds"]
-    runs = {float(t): {label: [] for label in labels} for t in temperatures}
-    it = range(len(prompts)) if progress is None else progress(range(len(prompts)))
-    for i in it:
-        order = labels[i % len(labels):] + labels[:i % len(labels)]
+    n = len(prompts)
+    secs = {(float(t), label, i): [] for t in temperatures for label in labels for i in range(n)}
+    outs = {}
+    it = range(n * repeats) if progress is None else progress(range(n * repeats))
+    for k in it:
+        i = k % n
+        order = labels[k % len(labels):] + labels[:k % len(labels)]
         for t in temperatures:
             for label in order:
-                secs, out = [], None
-                for _ in range(repeats):
-                    out = decoders[label].generate([prompts[i]], temperature=float(t),
-                                                   seed=i, **kw)[0]
-                    secs.append(out["stats"]["batch_seconds"])
-                runs[float(t)][label].append({"token_ids": out["token_ids"],
-                                              "seconds": statistics.median(secs),
-                                              "stats": out["stats"]})
+                out = decoders[label].generate([prompts[i]], temperature=float(t), seed=i,
+                                               **kw)[0]
+                secs[(float(t), label, i)].append(out["stats"]["batch_seconds"])
+                outs[(float(t), label, i)] = out
         if between is not None:
             between()
+    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i)]["token_ids"],
+                                "seconds": statistics.median(secs[(float(t), label, i)]),
+                                "stats": outs[(float(t), label, i)]["stats"]}
+                               for i in range(n)] for label in labels} for t in temperatures}
     return {"runs": runs, "compile_seconds": compile_s}
 
 
@@ -190,6 +198,10 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                     "mean_accepted_tokens": c_agg["mean_accepted_tokens"]}
             entry = {**agg, "speedup_vs_ar": speed, "exact_match_vs_ar": exact,
                      "per_category": per_cat, "method": by_label[label].method,
+                     # per prompt, for paired comparisons of two methods (same prompts)
+                     "per_prompt_tokens_per_second": [
+                         len(r["token_ids"]) / r["seconds"] if r["seconds"] > 0 else None
+                         for r in rows],
                      "exits": list(by_label[label].exits), "gamma": by_label[label].gamma,
                      "thresholds": (list(by_label[label].thresholds)
                                     if by_label[label].thresholds else None)}

@@ -1,42 +1,39 @@
 """Polybasic chains in the benchmark: draft -> intermediate -> target next to AR and
 two-level S2D, with the Lemma 3.1 prediction and the insertion verdict.
 
-A chain is `NAME=MID[:int8|int4|w8a8]`: on target NAME, MID is either `int8` / `int4` /
-`w8a8` (the target's own quantization, quantize.py) or a model dir (optionally quantized).
-Its draft, exits, thresholds and gamma are those of the two-level baseline (s2d-cal when the target
-is calibrated, else s2d-0.5); mu defaults to gamma. The chain's batch-1 runs are
-interleaved with every other method by bench.run_target; this file adds what only chains
-need (see `bench_chains`).
+A chain is `NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M]`: on target NAME, MID is either
+`int8` / `int4` / `w8a8` (the target's own quantization, quantize.py) or a model dir
+(optionally quantized). Its draft, exits and thresholds are those of the two-level
+baseline (s2d-cal when the target is calibrated, else s2d-0.5); gamma defaults to the
+baseline's, mu to gamma. A chain with another gamma is compared with the same two-level
+setting at that gamma (run as `<baseline>-g<G>`): the insertion is the only difference.
+The chain's batch-1 runs are interleaved with every other method by bench.run_target;
+this file adds what only chains need (see `bench_chains`).
 
 Costs (seconds per call), all measured the same way so that the two sides of the
-insertion inequality are comparable: `forward_cost` times one jitted forward + verification
-of a level on exactly the positions the engine feeds it (chain.py: a catch-up window of
-n - k tokens plus its block), on a donated cache of the benchmark's length; the drafter's
-step cost per exit is bench.phase_costs' (the engine's own draft phase), weighted by the
-run's exit usage. Greedy and sampling are different programs (sampling.py), so every
-cost is measured per temperature. Lemma 3.1 inputs come from measured counts
-(theory.lemma_inputs), so predicted vs measured time per token tests the cost model, and
-the insertion verdict (predicted helps/hurts) is checked against the measured chain vs
-two-level tokens/s.
+insertion inequality are comparable: call_costs.py times each call inside one jitted loop
+(a level's forward + verification on exactly the positions the engine feeds it, chain.py:
+a catch-up window of n - k tokens plus its block; a draft step forced to each exit) on a
+cache of the benchmark's length, sampled between the benchmark's prompts. Greedy and
+sampling are different programs (sampling.py), so every cost is measured per temperature.
+Lemma 3.1 inputs come from measured counts (theory.lemma_inputs), so predicted vs measured
+time per token tests the cost model, and the insertion verdict (predicted helps/hurts) is
+checked against the measured chain vs two-level tokens/s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax import model, theory
-from s2d_jax.bench import MethodSpec, PaddedDecoder, phase_costs
+from s2d_jax import theory
+from s2d_jax.bench import MethodSpec, PaddedDecoder
+from s2d_jax.call_costs import draft_step_probes, verify_probe
 from s2d_jax.errors import S2DError
-from s2d_jax.kvcache import init_cache
 from s2d_jax.quantize import MODES, params_nbytes, quantize_params
-from s2d_jax.sampling import SamplingParams, probs_from_logits, speculative_verify
 
 BATCH_CHECK = 4  # the batch size of the greedy exactness check
 
@@ -48,14 +45,18 @@ class ChainSpec:
     target: str  # the target's name in --targets
     intermediate: str  # a model dir, or "" for the target itself
     quantize: str | None  # quantization of the intermediate (quantize.MODES)
-    mu: int | None = None  # accumulation length; None = the baseline's gamma
+    mu: int | None = None  # accumulation length; None = the chain's gamma
+    gamma: int | None = None  # the draft's block; None = the baseline's gamma
 
     @property
     def label(self) -> str:
         if not self.intermediate:
-            return f"chain-{self.quantize}"
-        name = os.path.basename(os.path.normpath(self.intermediate))
-        return f"chain-{name}" + (f"-{self.quantize}" if self.quantize else "")
+            base = f"chain-{self.quantize}"
+        else:
+            name = os.path.basename(os.path.normpath(self.intermediate))
+            base = f"chain-{name}" + (f"-{self.quantize}" if self.quantize else "")
+        return (base + (f"-g{self.gamma}" if self.gamma is not None else "")
+                + (f"-mu{self.mu}" if self.mu is not None else ""))
 
     @property
     def describe(self) -> str:
@@ -66,17 +67,27 @@ class ChainSpec:
 
 
 def parse_chain(text: str, mu: int | None = None) -> ChainSpec:
-    """`NAME=MODE` or `NAME=DIR[:MODE]` (MODE in quantize.MODES) -> ChainSpec."""
-    name, sep, mid = text.partition("=")
+    """`NAME=MODE` or `NAME=DIR[:MODE]` (MODE in quantize.MODES), then optional
+    `,gamma=G` / `,mu=M` (mu: this chain's, else the `mu` given) -> ChainSpec."""
+    head, *opts = text.split(",")
+    name, sep, mid = head.partition("=")
     if not sep or not name or not mid:
-        raise S2DError(f"--chain {text!r} is not NAME=MID; e.g. l=int8 or "
-                       f"l=models/demo/target-m (NAME as in --targets)")
+        raise S2DError(f"--chain {text!r} is not NAME=MID[,gamma=G][,mu=M]; e.g. l=int8 or "
+                       f"l=models/demo/target-m,mu=8 (NAME as in --targets)")
+    values = {}
+    for opt in opts:
+        key, eq, val = opt.partition("=")
+        if key not in ("gamma", "mu") or not eq or not val.isdigit() or int(val) < 1:
+            raise S2DError(f"--chain option {opt!r} in {text!r} is not gamma=G or mu=M with "
+                           f"a positive integer; e.g. l=w8a8,gamma=1,mu=16")
+        values[key] = int(val)
+    gamma, mu = values.get("gamma"), values.get("mu", mu)
     if mid in MODES:
-        return ChainSpec(name, "", mid, mu)
+        return ChainSpec(name, "", mid, mu, gamma)
     path, colon, quant = mid.rpartition(":")
     if colon and quant in MODES and path:
-        return ChainSpec(name, path, quant, mu)
-    return ChainSpec(name, mid, None, mu)
+        return ChainSpec(name, path, quant, mu, gamma)
+    return ChainSpec(name, mid, None, mu, gamma)
 
 
 def pick_baseline(specs: list[MethodSpec]) -> MethodSpec:
@@ -112,86 +123,90 @@ def load_intermediate(chain: ChainSpec, target_cfg, target_params, *, dtype: str
     return cfg, params, info
 
 
+def chain_baseline(chain: ChainSpec, baseline: MethodSpec) -> MethodSpec:
+    """The two-level run a chain is compared with: `baseline`, or the same setting at the
+    chain's gamma (the insertion is then the only difference between the two runs)."""
+    if chain.gamma is None or chain.gamma == baseline.gamma:
+        return baseline
+    return dataclasses.replace(baseline, label=f"{baseline.label}-g{chain.gamma}",
+                               gamma=chain.gamma)
+
+
 def chain_method_spec(chain: ChainSpec, baseline: MethodSpec) -> MethodSpec:
     """The report entry of a chain (method "chain" keeps it apart from two-level S2D in the
     acceptance checks and the exit-usage plot)."""
-    return MethodSpec(chain.label, "chain", baseline.exits, baseline.thresholds,
-                      baseline.gamma)
+    base = chain_baseline(chain, baseline)
+    return MethodSpec(chain.label, "chain", base.exits, base.thresholds, base.gamma)
 
 
 def chain_mu(chain: ChainSpec, baseline: MethodSpec) -> int:
-    return baseline.gamma if chain.mu is None else chain.mu
+    return chain_baseline(chain, baseline).gamma if chain.mu is None else chain.mu
 
 
 def build_chain_decoder(chain: ChainSpec, mid: tuple, baseline: MethodSpec, target_cfg,
                         target_params, draft_cfg, draft_params, *, prompt_width: int,
                         tokenizer=None) -> PaddedDecoder:
     mid_cfg, mid_params = mid[:2]
+    base = chain_baseline(chain, baseline)
     return PaddedDecoder(
         target_cfg, target_params, method="s2d", draft_cfg=draft_cfg,
-        draft_params=draft_params, exits=baseline.exits, gamma=baseline.gamma,
-        thresholds=list(baseline.thresholds), target_tokenizer=tokenizer,
+        draft_params=draft_params, exits=base.exits, gamma=base.gamma,
+        thresholds=list(base.thresholds), target_tokenizer=tokenizer,
         intermediates=[(mid_cfg, mid_params)], mus=[chain_mu(chain, baseline)],
         prompt_width=prompt_width, name=chain.target)
 
 
 # ---- per-call costs --------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"), donate_argnames=("cache",))
-def _verify_call(params, cache, toks, pos, q, key, sp, *, cfg, window):
-    """One verification call of a level, as chain.verify_block does it: forward over the
-    catch-up window + block, distributions, the accept rule (greedy is a static flag of
-    sp, as in the engine)."""
-    logits, cache = model.forward(params, cfg, toks, pos, cache)
-    p = probs_from_logits(logits[:, window - 1:], sp)
-    n, nxt = speculative_verify(key, toks[:, window:], q, p, greedy=sp.greedy)
-    return n, nxt, cache
+class ChainCostProbes:
+    """Every per-call cost the chains' Lemma 3.1 needs, as call_costs probes (compiled
+    here, `sample()`d between the benchmark's prompts): per temperature, the target's AR
+    step, its verification of each two-level block (gamma + 1 positions) and of each
+    chain's block (gamma + mu + 1), each intermediate verifying the draft's block (its
+    window of 2 + gamma positions), and a draft step at each exit."""
 
+    def __init__(self, chains: list[ChainSpec], mids: dict, baseline: MethodSpec, target_cfg,
+                 target_params, draft_cfg, draft_params, *, temperatures, start: int,
+                 max_len: int, confidence: str = "max_prob", kv_fill: str = "calm"):
+        self.chains, self.baseline = chains, baseline
+        self.probes = {}
+        for t in temperatures:
+            t = float(t)
+            at = dict(start=start, max_len=max_len, temperature=t)
+            probes = {("target", 1, 0): verify_probe(target_params, target_cfg, window=1,
+                                                     block=0, **at)}
+            for c in chains:
+                g, mu = chain_baseline(c, baseline).gamma, chain_mu(c, baseline)
+                for block in (g, g + mu):
+                    if ("target", 1, block) not in probes:
+                        probes[("target", 1, block)] = verify_probe(
+                            target_params, target_cfg, window=1, block=block, **at)
+                mid_cfg, mid_params = mids[c.label][:2]
+                probes[(c.label, 2, g)] = verify_probe(mid_params, mid_cfg, window=2, block=g,
+                                                       **at)
+            probes["draft"] = draft_step_probes(draft_params, draft_cfg, baseline.exits,
+                                                conf_kind=confidence, kv_fill=kv_fill, **at)
+            self.probes[t] = probes
 
-def forward_cost(params, cfg, *, window: int, block: int, start: int, max_len: int,
-                 temperature: float = 0.0, reps: int = 4, trials: int = 3) -> float:
-    """Seconds per verification call of a model scoring `block` proposed tokens after a
-    catch-up window of `window` tokens (block 0, window 1: one autoregressive step).
-    Attention runs over the whole cache buffer, so the cost does not depend on token
-    values, only on greedy vs sampling (a different program); the best of `trials` means
-    of `reps` calls (stable on a shared machine)."""
-    width = window + block
-    start = max(0, min(start, max_len - width))
-    cache = init_cache(cfg, 1, max_len)
-    pos = (start + jnp.arange(width, dtype=jnp.int32))[None, :]
-    toks = jnp.ones((1, width), jnp.int32)
-    q = jnp.full((1, block, cfg.vocab_size), 1.0 / cfg.vocab_size, jnp.float32)
-    sp, key = SamplingParams.make(temperature), jax.random.key(0)
-    call = functools.partial(_verify_call, cfg=cfg, window=window)
-    *_, cache = jax.block_until_ready(call(params, cache, toks, pos, q, key, sp))  # compile
-    best = float("inf")
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            n, nxt, cache = call(params, cache, toks, pos, q, key, sp)
-        jax.block_until_ready((n, nxt, cache))
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+    def _all(self):
+        for probes in self.probes.values():
+            for key, p in probes.items():
+                yield from (p if key == "draft" else [p])
 
+    def sample(self) -> None:
+        for p in self._all():
+            p.sample()
 
-def chain_costs(chain_mus: dict, mids: dict, target_cfg, target_params, gamma: int, *,
-                start: int, max_len: int, temperature: float = 0.0) -> dict:
-    """Seconds per call: the target autoregressive (1 position), verifying the two-level
-    block (gamma + 1 positions), verifying each chain's block (gamma + mu + 1), and each
-    intermediate verifying the draft's block (its window of 2 + gamma positions)."""
-    cost = functools.partial(forward_cost, start=start, max_len=max_len,
-                             temperature=temperature)
-    out = {"target_ar": cost(target_params, target_cfg, window=1, block=0),
-           "target_verify_2level": cost(target_params, target_cfg, window=1, block=gamma),
-           "target_verify_chain": {}, "intermediate": {}}
-    by_block = {gamma: out["target_verify_2level"]}
-    for label, mu in chain_mus.items():
-        if gamma + mu not in by_block:
-            by_block[gamma + mu] = cost(target_params, target_cfg, window=1, block=gamma + mu)
-        out["target_verify_chain"][label] = by_block[gamma + mu]
-        mid_cfg, mid_params = mids[label][:2]
-        out["intermediate"][label] = cost(mid_params, mid_cfg, window=2, block=gamma)
-    return out
+    def result(self, temperature: float, chain: ChainSpec) -> dict:
+        """Seconds per call for one chain at one temperature (the fields chain_temperature
+        reads)."""
+        probes = self.probes[float(temperature)]
+        g, mu = chain_baseline(chain, self.baseline).gamma, chain_mu(chain, self.baseline)
+        return {"target_ar": probes[("target", 1, 0)].result(),
+                "target_verify_2level": probes[("target", 1, g)].result(),
+                "target_verify_chain": probes[("target", 1, g + mu)].result(),
+                "intermediate": probes[(chain.label, 2, g)].result(),
+                "draft_step_per_exit": [p.result() for p in probes["draft"]]}
 
 
 # ---- statistics -------------------------------------------------------------------------
@@ -245,13 +260,14 @@ def _lemma(costs_by_level: list[float], counts: dict, exit_costs, exit_usage) ->
 
 
 def chain_temperature(chain_rows, base_rows, chain_res: dict, base_res: dict, costs: dict,
-                      label: str, exit_costs, names: list[str]) -> dict:
+                      names: list[str]) -> dict:
     """One chain at one temperature: measured speed and levels, Lemma 3.1 on both sides of
-    the insertion, the verdict."""
+    the insertion (costs: ChainCostProbes.result), the verdict."""
     cc, bc = level_counts(chain_rows), level_counts(base_rows)
+    exit_costs = costs["draft_step_per_exit"]
     before = _lemma([costs["target_verify_2level"]], bc, exit_costs,
                     base_res["exit_usage"])
-    after = _lemma([costs["target_verify_chain"][label], costs["intermediate"][label]], cc,
+    after = _lemma([costs["target_verify_chain"], costs["intermediate"]], cc,
                    exit_costs, chain_res["exit_usage"])
     gain = theory.insertion_gain(before["costs"], before["accept_lengths"], before["beta"], 1,
                                  after["costs"][1], after["accept_lengths"], after["beta"],
@@ -330,47 +346,35 @@ def quantized_agreement(ar_decoder, prompts, reference: list[list[int]], **gen_k
 
 
 def bench_chains(chains: list[ChainSpec], mids: dict, decoders: dict, baseline: MethodSpec,
-                 runs: dict, results: dict, exit_costs, *, prompts, target_cfg,
-                 target_params, prompt_width: int, max_len: int, max_new_tokens: int,
-                 eos_id: int, log=lambda msg: None) -> dict:
+                 runs: dict, results: dict, cost_probes: ChainCostProbes, *, prompts,
+                 prompt_width: int, max_len: int, max_new_tokens: int, eos_id: int,
+                 log=lambda msg: None) -> dict:
     """The `chains` section of a target's report (see module docstring); also fills the
     chain rows' predicted_speedup in `results` (in place).
 
-    runs/results: bench.run_target / summarize_target output with every chain label and
-    the baseline and "ar" in it; mids: label -> load_intermediate output; exit_costs: the
-    baseline's greedy draft step cost per exit (bench.measure_costs), re-measured here for
-    the other temperatures."""
-    mus = {c.label: chain_mu(c, baseline) for c in chains}
-    costs, step_costs = {}, {}
-    for t in runs:  # greedy and sampling are different programs with different costs
-        log(f"[{chains[0].target}] chain costs per call at T={t:g}")
-        costs[t] = chain_costs(mus, mids, target_cfg, target_params, baseline.gamma,
-                               start=prompt_width, max_len=max_len, temperature=t)
-        step_costs[t] = (list(exit_costs) if t == 0.0 else phase_costs(
-            decoders[baseline.label], prompts[0], max_new_tokens=max_new_tokens,
-            temperature=t)[0])
+    runs/results: bench.run_target / summarize_target output with every chain label, its
+    two-level baseline (chain_baseline) and "ar" in it; mids: label -> load_intermediate
+    output; cost_probes: sampled during the runs."""
     greedy_ar = runs[0.0]["ar"]
     reference = [r["token_ids"] for r in greedy_ar]
     gen_kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id)
     out = {}
     for c in chains:
         label, mid_info = c.label, mids[c.label][2]
+        base = chain_baseline(c, baseline)
         names = ["draft", c.describe, "target"]
         entry = {"intermediate": mid_info["intermediate"], "quantization": c.quantize,
-                 "mu": mus[label], "baseline": baseline.label, "gamma": baseline.gamma,
-                 "exits": list(baseline.exits), "thresholds": list(baseline.thresholds),
+                 "mu": chain_mu(c, baseline), "baseline": base.label, "gamma": base.gamma,
+                 "exits": list(base.exits), "thresholds": list(base.thresholds),
                  "models": names, "intermediate_num_params": mid_info["num_params"],
                  "by_temperature": {}}
         for t, per_method in runs.items():
             key = str(t)
             res = results[key]
-            e = chain_temperature(per_method[label], per_method[baseline.label], res[label],
-                                  res[baseline.label], costs[t], label, step_costs[t], names)
-            e["costs_s"] = {"target_ar": costs[t]["target_ar"],
-                            "target_verify_2level": costs[t]["target_verify_2level"],
-                            "target_verify_chain": costs[t]["target_verify_chain"][label],
-                            "intermediate": costs[t]["intermediate"][label],
-                            "draft_step_per_exit": step_costs[t]}
+            costs = cost_probes.result(t, c)
+            e = chain_temperature(per_method[label], per_method[base.label], res[label],
+                                  res[base.label], costs, names)
+            e["costs_s"] = costs
             if t == 0.0:
                 e["exact_match_per_prompt"] = per_prompt_exact(per_method[label], greedy_ar)
             entry["by_temperature"][key] = e

@@ -8,10 +8,14 @@
    accepts the drafted prefix that matches the target, plus the target's own token. This
    gives MAT and exit usage exactly for greedy decoding up to the CALM approximation of
    skipped layers' keys/values (the pass in 2 computes true keys/values everywhere).
-4. theory.two_level with measured costs ranks the grid (every subset of the draft's exits:
-   a single exit is vanilla SD, so the calibrated setting can always fall back to the best
-   single exit); the best few and the paper's 0.5/.../0 on all exits are then measured for
-   real, and the best measured one is written to DIR/s2d_serving.json (atomically).
+4. theory.two_level with measured costs ranks the grid (every subset of the draft's exits).
+   Measured for real (infer/calibrate.py): every single exit at every gamma (vanilla SD,
+   so the calibrated setting falls back to the fastest single exit when escalating does
+   not pay), the best few predicted multi-exit settings and the paper's 0.5/.../0. The
+   fastest few are measured again (`finalists`: the best of many noisy runs is biased
+   up), and the fastest on that second run is written to DIR/s2d_serving.json
+   (atomically), a multi-exit setting only if it beats the best single exit by a margin
+   (`pick_setting`).
 """
 
 from __future__ import annotations
@@ -160,9 +164,9 @@ def predict_config(stats: ExitStats, costs: dict, ar_per_token: float, threshold
                    gamma: int, exits=None) -> dict | None:
     """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma).
 
-    costs (seconds, measured on the engine's phases, see bench.phase_costs):
-    target_verify {str(gamma): s}, exit_costs {exits_key: [s per draft step at each exit]}.
-    ar_per_token: the measured AR time per token, T_target(1)."""
+    costs (seconds per call, timed inside jitted loops, call_costs.py): target_verify
+    {str(gamma): s}, exit_costs {exits_key: [s per draft step stopping at each exit]}.
+    ar_per_token: T_target(1), the target's AR step timed the same way."""
     exits = tuple(stats.exits if exits is None else exits)
     sim = simulate(stats.select(exits), thresholds, gamma)
     if sum(sim["exit_usage"]) == 0:
@@ -189,6 +193,31 @@ def rank_configs(stats: ExitStats, costs: dict, ar_per_token: float, gammas,
                     out.append(r)
     out.sort(key=lambda r: -r["predicted_speedup"])
     return out
+
+
+def finalists(rows: list[dict], k: int) -> list[dict]:
+    """The k fastest measured settings plus the fastest single exit (vanilla SD) if it is
+    not among them: the ones measured again, since the best of many noisy measurements is
+    biased up (the winner's curse)."""
+    ranked = sorted(rows, key=lambda r: -r["measured_speedup"])
+    out = ranked[:k]
+    single = next((r for r in ranked if len(r["exits"]) == 1), None)
+    if single is not None and single not in out:
+        out.append(single)
+    return out
+
+
+def pick_setting(rows: list[dict], min_gain: float, key: str = "measured_speedup") -> dict:
+    """The fastest setting by `key`, except that a multi-exit one must beat the fastest
+    single exit by the factor 1 + min_gain: escalation is kept only where it measurably
+    pays, not where it wins by less than the run-to-run noise."""
+    best = max(rows, key=lambda r: r[key])
+    singles = [r for r in rows if len(r["exits"]) == 1]
+    if len(best["exits"]) > 1 and singles:
+        single = max(singles, key=lambda r: r[key])
+        if best[key] < single[key] * (1.0 + min_gain):
+            return single
+    return best
 
 
 def serving_record(draft_dir: str, best: dict, paper: dict | None, questions: str,

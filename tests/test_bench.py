@@ -145,3 +145,55 @@ def test_bench_subprocess_error_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: model dir {tmp_path / 'missing'} (x) does not exist"]
+
+
+def test_calibrated_vs_sd_check_identity_and_strict_cases():
+    from s2d_jax.bench_report import calibrated_vs_sd, paired_ratio
+
+    def row(speed, exits, gamma, th, per_prompt):
+        return {"speedup_vs_ar": speed, "exits": exits, "gamma": gamma, "thresholds": th,
+                "per_prompt_tokens_per_second": per_prompt}
+
+    sd = row(2.36, [1], 4, [0.0], [100.0, 200.0, 300.0])
+    # the very setting of sd@1, measured 3% slower: equal by identity (noise), ratio shown
+    same = row(2.30, [1], 4, [0.0], [95.0, 196.0, 291.0])
+    c = calibrated_vs_sd("l", same, sd, "sd@1")
+    assert c["pass"] and "the same program" in c["value"] and "2.30x vs 2.36x" in c["value"]
+    mean, se = paired_ratio(same, sd)
+    assert mean == pytest.approx((0.95 + 0.98 + 0.97) / 3) and se > 0
+    # another gamma or a multi-exit setting is held to the measured numbers
+    for other in (row(2.30, [1], 5, [0.0], [1.0, 1.0]), row(2.30, [1, 2], 4, [0.5, 0.0], [])):
+        c = calibrated_vs_sd("l", other, sd, "sd@1")
+        assert not c["pass"] and "same program" not in c["value"]
+    assert calibrated_vs_sd("l", row(2.40, [1], 5, [0.0], []), sd, "sd@1")["pass"]
+    assert paired_ratio(row(1, [1], 4, [0.0], [1.0]), sd) is None  # one prompt: no spread
+
+
+def test_run_target_repeats_are_passes_and_medians():
+    class Stub:
+        """Records calls; its k-th call takes `times[k]` seconds (3 prompts, 2 methods)."""
+        calls = []
+
+        def __init__(self, name, times):
+            self.name, self.times = name, list(times)
+
+        def generate(self, prompts, temperature, seed=0, **kw):
+            Stub.calls.append((self.name, prompts[0][0]))
+            secs = self.times.pop(0)
+            return [{"token_ids": [prompts[0][0]] * 4,
+                     "stats": {"batch_seconds": secs, "compile_seconds": 0.5}}]
+
+    # calls per method: warm-up, then prompts 0,1,2 of pass 1, then of pass 2, then pass 3
+    a = Stub("a", [9, 1, 2, 3, 1.5, 20, 3.5, 1.2, 2.5, 30])
+    b = Stub("b", [9, 5, 6, 7, 5, 6, 7, 5, 6, 7])
+    probes = []
+    out = bench.run_target({"a": a, "b": b}, [[10], [11], [12]], temperatures=[0.0],
+                           max_new_tokens=4, max_len=16, eos_id=-1, repeats=3,
+                           between=lambda: probes.append(len(Stub.calls)))
+    seq = [p for _, p in Stub.calls[2:]]
+    assert seq == [10, 10, 11, 11, 12, 12] * 3  # whole passes over the prompts
+    assert len(probes) == 9  # after every prompt of every pass
+    # a's slow spells (20 s, 30 s) hit one pass each and the median drops them
+    assert [r["seconds"] for r in out["runs"][0.0]["a"]] == [1.2, 2.5, 3.5]
+    assert [r["seconds"] for r in out["runs"][0.0]["b"]] == [5, 6, 7]
+    assert out["compile_seconds"] == {"a": 0.5, "b": 0.5}

@@ -17,8 +17,16 @@ from tiny_models import cli_error
 
 def test_parse_chain_forms_and_labels():
     c = bench_chain.parse_chain("l=int8", mu=3)
-    assert (c.target, c.intermediate, c.quantize, c.mu) == ("l", "", "int8", 3)
-    assert c.label == "chain-int8" and c.describe == "l int8"
+    assert (c.target, c.intermediate, c.quantize, c.mu, c.gamma) == ("l", "", "int8", 3, None)
+    assert c.label == "chain-int8-mu3" and c.describe == "l int8"
+    assert bench_chain.parse_chain("l=int8").label == "chain-int8"
+    c = bench_chain.parse_chain("l=w8a8,gamma=1,mu=16", mu=3)  # the chain's own mu wins
+    assert (c.quantize, c.gamma, c.mu, c.label) == ("w8a8", 1, 16, "chain-w8a8-g1-mu16")
+    c = bench_chain.parse_chain("l=some/dir:int4,gamma=2")
+    assert (c.intermediate, c.quantize, c.gamma, c.mu) == ("some/dir", "int4", 2, None)
+    for bad in ("l=int8,gamma=0", "l=int8,mu=x", "l=int8,beta=2", "l=int8,gamma"):
+        with pytest.raises(S2DError, match="gamma=G or mu=M"):
+            bench_chain.parse_chain(bad)
     c = bench_chain.parse_chain("l=models/demo/target-m/")
     assert (c.intermediate, c.quantize, c.label) == ("models/demo/target-m/", None,
                                                      "chain-target-m")
@@ -37,6 +45,20 @@ def test_pick_baseline_prefers_calibrated():
     assert bench_chain.pick_baseline([s05]) is s05
     with pytest.raises(S2DError, match="include s2d"):
         bench_chain.pick_baseline([MethodSpec("ar", "ar")])
+
+
+def test_chain_baseline_is_the_same_setting_at_the_chains_gamma():
+    cal = MethodSpec("s2d-cal", "s2d", (1,), (0.0,), 4)
+    same = bench_chain.parse_chain("l=int8,gamma=4")
+    assert bench_chain.chain_baseline(same, cal) is cal
+    assert bench_chain.chain_mu(same, cal) == 4
+    c = bench_chain.parse_chain("l=int8,gamma=1")
+    base = bench_chain.chain_baseline(c, cal)
+    assert (base.label, base.method, base.exits, base.thresholds, base.gamma) == (
+        "s2d-cal-g1", "s2d", (1,), (0.0,), 1)
+    assert bench_chain.chain_mu(c, cal) == 1  # mu defaults to the chain's gamma
+    spec = bench_chain.chain_method_spec(c, cal)
+    assert (spec.label, spec.method, spec.gamma) == ("chain-int8-g1", "chain", 1)
 
 
 def _row(mat, rounds, usage, rates, forwards, tokens=None):
@@ -76,11 +98,10 @@ def test_chain_temperature_lemma_and_verdict_by_hand():
     #   T_1' = 12, T_2' = 3: T'/N = 12/4 + 3/2 + 4*1/2 = 6.5 -> helps, gain 7/6.5
     base_rows = [_row(2.0, 10, [40], [0.25], [10])]
     chain_rows = [_row(4.0, 5, [40], [0.5, 0.6], [10, 5])]
-    costs = {"target_ar": 5.0, "target_verify_2level": 10.0,
-             "target_verify_chain": {"c": 12.0}, "intermediate": {"c": 3.0}}
+    costs = {"target_ar": 5.0, "target_verify_2level": 10.0, "target_verify_chain": 12.0,
+             "intermediate": 3.0, "draft_step_per_exit": [1.0]}
     e = bench_chain.chain_temperature(chain_rows, base_rows, _res(110, [40], 4.0),
-                                      _res(100, [40]), costs, "c", [1.0],
-                                      ["draft", "mid", "target"])
+                                      _res(100, [40]), costs, ["draft", "mid", "target"])
     ins = e["insertion"]
     assert ins["before"]["time_per_token_s"] == pytest.approx(7.0)
     assert ins["after"]["time_per_token_s"] == pytest.approx(6.5)
@@ -94,8 +115,7 @@ def test_chain_temperature_lemma_and_verdict_by_hand():
     assert e["measured_over_predicted"] == pytest.approx((110 / 50) / (5.0 / 6.5))
     # slower than the two-level run: the same prediction now disagrees
     e = bench_chain.chain_temperature(chain_rows, base_rows, _res(90, [40], 4.0),
-                                      _res(100, [40]), costs, "c", [1.0],
-                                      ["draft", "mid", "target"])
+                                      _res(100, [40]), costs, ["draft", "mid", "target"])
     assert e["insertion"]["measured"] == "slower" and e["insertion"]["agrees"] is False
     # the inputs stored for infer.insertion give the same answer through theory
     b, a = ins["before"], ins["after"]
@@ -169,21 +189,25 @@ def test_bench_with_chains_end_to_end(tmp_path, capsys):
     rc = main(["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-prompts", "3",
                "--methods", "ar,s2d", "--temperatures", "0,1", "--max-new-tokens", "6",
-               "--gamma", "2", "--mu", "2", "--chain", "t=int8",
-               "--chain", f"t={family / 'draft'}", "--out", str(out)])
+               "--gamma", "2", "--chain", "t=int8,mu=2",
+               "--chain", f"t={family / 'draft'},gamma=1", "--out", str(out)])
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     tgt = rep["targets"]["t"]
     res = tgt["results"]["0.0"]
-    assert set(tgt["chains"]) == {"chain-int8", "chain-draft"}
+    assert set(tgt["chains"]) == {"chain-int8-mu2", "chain-draft-g1"}
+    # the chain at gamma 1 is compared with the same two-level setting run at gamma 1
+    assert res["s2d-0.5-g1"]["gamma"] == 1 and res["s2d-0.5"]["gamma"] == 2
+    assert res["s2d-0.5-g1"]["exits"] == res["s2d-0.5"]["exits"]
+    expect = {"chain-int8-mu2": (2, "s2d-0.5", 2), "chain-draft-g1": (1, "s2d-0.5-g1", 1)}
     for label, c in tgt["chains"].items():
         assert res[label]["method"] == "chain" and res[label]["exact_match_vs_ar"] == 1.0
-        assert c["mu"] == 2 and c["baseline"] == "s2d-0.5" and c["gamma"] == 2
+        assert (c["mu"], c["baseline"], c["gamma"]) == expect[label]
         assert c["batch4"]["exact_match_vs_ar"] == 1.0 and c["batch4"]["prompts"] == 3
         assert c["batch4"]["exact_match_per_prompt"] == [True] * 3
         assert set(c["by_temperature"]) == {"0.0", "1.0"}
         for temp, e in c["by_temperature"].items():
-            base = tgt["results"][temp]["s2d-0.5"]
+            base = tgt["results"][temp][c["baseline"]]
             costs = e["costs_s"]
             assert len(costs["draft_step_per_exit"]) == 2 and min(costs["draft_step_per_exit"]) > 0
             assert all(v > 0 for k, v in costs.items() if k != "draft_step_per_exit")
@@ -205,17 +229,17 @@ def test_bench_with_chains_end_to_end(tmp_path, capsys):
             assert ins["agrees"] == (helps == faster)
             assert tgt["results"][temp][label]["predicted_speedup"] == e["predicted_speedup"] > 0
         assert c["by_temperature"]["0.0"]["exact_match_per_prompt"] == [True] * 3
-    q = tgt["chains"]["chain-int8"]["quantized"]
+    q = tgt["chains"]["chain-int8-mu2"]["quantized"]
     assert q["mode"] == "int8" and 0 < q["params_bytes"] < q["full_precision_params_bytes"]
     assert q["bytes_saved"] == q["full_precision_params_bytes"] - q["params_bytes"]
     assert 0 <= q["identical_fraction"] <= 1 and 0 <= q["mean_prefix_match"] <= 1
     assert len(q["prefix_match_per_prompt"]) == 3
-    assert "quantized" not in tgt["chains"]["chain-draft"]
+    assert "quantized" not in tgt["chains"]["chain-draft-g1"]
     checks = [c["check"] for c in rep["acceptance"]]
-    assert any("chain-int8: greedy exact match vs AR at batch 4" in c for c in checks)
-    assert any("chain-draft: insertion predicted" in c for c in checks)
+    assert any("chain-int8-mu2: greedy exact match vs AR at batch 4" in c for c in checks)
+    assert any("chain-draft-g1: insertion predicted" in c for c in checks)
     table = (out / "report.md").read_text()
-    assert "Polybasic chains" in table and "| t | 0.0 | chain-int8 | 2 |" in table
+    assert "Polybasic chains" in table and "| t | 0.0 | chain-int8-mu2 | 2 | 2 |" in table
     assert "Quantized intermediates" in table
     capsys.readouterr()
     assert insertion_main(["--report", str(out / "report.json"), "--temperature", "0"]) == 0

@@ -127,6 +127,32 @@ def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
     assert "single exit" in _error(capsys, base + ["--draft", str(family / "single")])
     assert "--repeats" in _error(capsys, base + ["--draft", str(family / "draft"),
                                                  "--repeats", "0"])
+    assert "--finalists" in _error(capsys, base + ["--draft", str(family / "draft"),
+                                                   "--finalists", "0"])
+    assert "--min-gain" in _error(capsys, base + ["--draft", str(family / "draft"),
+                                                  "--min-gain", "-0.1"])
     assert "does not exist" in _error(capsys, ["--target", str(family / "target"), "--draft",
                                                str(family / "draft"), "--questions",
                                                str(tmp_path / "q.jsonl")])
+
+
+def _setting(label, exits, speed):
+    return {"label": label, "exits": exits, "measured_speedup": speed}
+
+
+def test_finalists_add_the_fastest_single_exit():
+    rows = [_setting("a", [1, 2], 2.3), _setting("b", [1, 3], 2.2), _setting("c", [1], 2.1),
+            _setting("d", [2], 2.15), _setting("e", [1, 2, 3], 2.0)]
+    assert [r["label"] for r in calibrate.finalists(rows, 2)] == ["a", "b", "d"]
+    assert [r["label"] for r in calibrate.finalists(rows, 3)] == ["a", "b", "d"]
+    assert [r["label"] for r in calibrate.finalists(rows[:2], 1)] == ["a"]  # no single exit
+
+
+def test_pick_setting_keeps_escalation_only_when_it_pays():
+    single, multi = _setting("sd", [1], 2.00), _setting("s2d", [1, 2], 2.05)
+    assert calibrate.pick_setting([single, multi], 0.03) is single  # 2.5% < 3%: noise
+    assert calibrate.pick_setting([single, multi], 0.02) is multi
+    assert calibrate.pick_setting([_setting("s2d", [1, 2], 2.3), single], 0.03)["label"] == "s2d"
+    faster_single = _setting("sd2", [2], 2.1)
+    assert calibrate.pick_setting([single, multi, faster_single], 0.0) is faster_single
+    assert calibrate.pick_setting([multi], 0.5) is multi  # nothing to fall back to

@@ -1,0 +1,67 @@
+"""In-loop per-call cost probes (s2d_jax/call_costs.py): the timed loop really makes the
+calls it claims (same results as the calls made one by one), one draft probe per exit,
+and results only after sampling."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from s2d_jax import call_costs, model
+from s2d_jax.drafting import draft_token
+from s2d_jax.errors import S2DError
+from s2d_jax.kvcache import init_cache
+from s2d_jax.loop_costs import forced_exit_thresholds
+from s2d_jax.sampling import SamplingParams, probs_from_logits, speculative_verify
+from test_engine import CFG, draft, target_params
+
+
+def test_verify_loop_equals_the_calls_made_one_by_one():
+    params, window, block, n = target_params(), 2, 3, 3
+    pos = (10 + jnp.arange(window + block, dtype=jnp.int32))[None]
+    toks = (pos * 5 + 1) % CFG.vocab_size
+    q = jax.nn.softmax(jax.random.normal(jax.random.key(1), (1, block, CFG.vocab_size)), -1)
+    sp, key = SamplingParams.make(1.0), jax.random.key(7)
+    got = call_costs._verify_loop(params, init_cache(CFG, 1, 32), toks, pos, q, key, sp,
+                                  jnp.int32(n), cfg=CFG, window=window)
+    cache, want = init_cache(CFG, 1, 32), 0
+    for i in range(n):
+        logits, cache = model.forward(params, CFG, toks, pos, cache)
+        p = probs_from_logits(logits[:, window - 1:], sp)
+        k, nxt = speculative_verify(jax.random.fold_in(key, i), toks[:, window:], q, p,
+                                    greedy=False)
+        want += int(k[0]) + int(nxt[0])
+    assert int(got) == want
+    assert int(call_costs._verify_loop(params, init_cache(CFG, 1, 32), toks, pos, q, key, sp,
+                                       jnp.int32(0), cfg=CFG, window=window)) == 0
+
+
+def test_draft_loop_feeds_each_drafted_token_to_the_next_step():
+    dcfg, dparams = draft()
+    exits, j, n = (1, 3), 0, 4
+    th = jnp.asarray(forced_exit_thresholds(len(exits), j), jnp.float32)
+    sp, key = SamplingParams.make(0.0), jax.random.key(0)
+    tok, pos = jnp.array([5], jnp.int32), jnp.full((1, 1), 6, jnp.int32)
+    got = call_costs._draft_loop(dparams, init_cache(dcfg, 1, 32), tok, pos, key, sp, th,
+                                 jnp.int32(n), cfg=dcfg, exits=exits, conf_kind="max_prob",
+                                 kv_fill="calm")
+    cache, prev = init_cache(dcfg, 1, 32), tok
+    for i in range(n):
+        prev, _, exit_idx, _, cache = draft_token(dparams, dcfg, cache, prev[:, None], pos + i,
+                                                  jax.random.fold_in(key, i), sp, th, exits)
+        assert int(exit_idx[0]) == j  # the forced exit
+    assert int(got[0]) == int(prev[0])
+
+
+def test_probes_one_per_exit_and_results_only_after_sampling():
+    dcfg, dparams = draft()
+    probes = call_costs.draft_step_probes(dparams, dcfg, (1, 2, 3), start=4, max_len=64)
+    assert len(probes) == 3
+    verify = call_costs.verify_probe(target_params(), CFG, window=1, block=2, start=4,
+                                     max_len=64)
+    with pytest.raises(S2DError, match="before any sample"):
+        verify.result()
+    for p in probes + [verify]:
+        p.sample()
+        p.sample()
+        assert len(p.times[0]) == len(p.times[p.calls]) == 2
+        assert p.result() > 0
