@@ -53,6 +53,9 @@ def parse_args(argv):
     ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"))
     ap.add_argument("--gamma", type=int, default=None, help="draft tokens per round "
                     "(default: the target's s2d_serving.json for s2d, else 4)")
+    ap.add_argument("--draft-stop", type=float, default=None, help="stop drafting after a "
+                    "token less confident than this, in [0,1] (default: the target's "
+                    "s2d_serving.json for s2d, else 0 = always gamma tokens)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
@@ -127,7 +130,8 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
         gamma = 4 if args.gamma is None else args.gamma
-        specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok)
+        specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok,
+                                 stop_threshold=args.draft_stop or 0.0)
     draft_cfg = draft_params = draft_tok = None
     exits = None
     if args.method in ("sd", "s2d"):
@@ -158,6 +162,8 @@ def build_engine(args, targets: dict[str, str]):
                 # calibrated by python -m infer.calibrate for this target and these exits
                 s.thresholds = served["thresholds"]
                 s.gamma = served["gamma"] if args.gamma is None else args.gamma
+                if args.draft_stop is None:
+                    s.stop_threshold = served["stop_threshold"]
             else:
                 s.thresholds = [0.5] * (len(exits) - 1) + [0.0]
     intermediates = _load_intermediates(args, specs)

@@ -35,6 +35,7 @@ class MethodSpec:
     exits: tuple[int, ...] = ()
     thresholds: tuple[float, ...] | None = None
     gamma: int = 4
+    stop: float = 0.0  # dynamic draft length: stop drafting below this confidence (0 = off)
 
 
 def paper_thresholds(num_exits: int) -> list[float]:
@@ -74,7 +75,8 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
                              f"{list(exits)}; recalibrate for this draft")
             else:
                 specs.append(MethodSpec("s2d-cal", "s2d", cal_exits, th,
-                                        int(calibrated.get("gamma", gamma))))
+                                        int(calibrated.get("gamma", gamma)),
+                                        float(calibrated.get("stop_threshold", 0.0))))
     return specs, notes
 
 
@@ -103,7 +105,7 @@ def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
             draft_params=draft_params, exits=s.exits, gamma=max(s.gamma, 1),
             thresholds=list(s.thresholds) if s.thresholds else None,
             target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-            prompt_width=prompt_width)
+            prompt_width=prompt_width, stop_threshold=s.stop)
     return out
 
 
@@ -204,7 +206,8 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                          for r in rows],
                      "exits": list(by_label[label].exits), "gamma": by_label[label].gamma,
                      "thresholds": (list(by_label[label].thresholds)
-                                    if by_label[label].thresholds else None)}
+                                    if by_label[label].thresholds else None),
+                     "stop_threshold": by_label[label].stop}
             entry.update(predict(entry, costs, label, ar_agg, str(t), len(rows)))
             res[label] = entry
         out[str(t)] = res
@@ -224,8 +227,13 @@ def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None,
         # Both sides from in-loop probes timed interleaved at the generation's buffer
         # length (loop_costs.py): T_AR = prompts * P_AR + N * T_target(1).
         usage = entry["exit_usage"] if any(entry["exit_usage"]) else [1.0]
+        rounds_s = loop[label]["round_s"]
+        if "one_step_round_s" in loop[label]:  # dynamic draft length: beta < gamma steps
+            rounds_s = theory.round_costs_at_steps(rounds_s, loop[label]["one_step_round_s"],
+                                                   entry["draft_steps_per_round"],
+                                                   entry["gamma"])
         pred = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
-                                   loop[label]["round_s"], usage, loop[label]["prefill_s"],
+                                   rounds_s, usage, loop[label]["prefill_s"],
                                    prompts=prompts, tokens=entry["new_tokens"],
                                    rounds=entry["rounds"])
     elif (costs is None or ar_agg is None or not ar_agg["tokens_per_second"]

@@ -3,8 +3,8 @@ two-level S2D, with the Lemma 3.1 prediction and the insertion verdict.
 
 A chain is `NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M]`: on target NAME, MID is either
 `int8` / `int4` / `w8a8` (the target's own quantization, quantize.py) or a model dir
-(optionally quantized). Its draft, exits and thresholds are those of the two-level
-baseline (s2d-cal when the target is calibrated, else s2d-0.5); gamma defaults to the
+(optionally quantized). Its draft, exits, thresholds and draft stop are those of the
+two-level baseline (s2d-cal when the target is calibrated, else s2d-0.5); gamma defaults to the
 baseline's, mu to gamma. A chain with another gamma is compared with the same two-level
 setting at that gamma (run as `<baseline>-g<G>`): the insertion is the only difference.
 The chain's batch-1 runs are interleaved with every other method by bench.run_target;
@@ -136,7 +136,7 @@ def chain_method_spec(chain: ChainSpec, baseline: MethodSpec) -> MethodSpec:
     """The report entry of a chain (method "chain" keeps it apart from two-level S2D in the
     acceptance checks and the exit-usage plot)."""
     base = chain_baseline(chain, baseline)
-    return MethodSpec(chain.label, "chain", base.exits, base.thresholds, base.gamma)
+    return MethodSpec(chain.label, "chain", base.exits, base.thresholds, base.gamma, base.stop)
 
 
 def chain_mu(chain: ChainSpec, baseline: MethodSpec) -> int:
@@ -153,7 +153,7 @@ def build_chain_decoder(chain: ChainSpec, mid: tuple, baseline: MethodSpec, targ
         draft_params=draft_params, exits=base.exits, gamma=base.gamma,
         thresholds=list(base.thresholds), target_tokenizer=tokenizer,
         intermediates=[(mid_cfg, mid_params)], mus=[chain_mu(chain, baseline)],
-        prompt_width=prompt_width, name=chain.target)
+        prompt_width=prompt_width, name=chain.target, stop_threshold=base.stop)
 
 
 # ---- per-call costs --------------------------------------------------------------------

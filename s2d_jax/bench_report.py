@@ -158,12 +158,13 @@ def paired_ratio(a: dict, b: dict) -> tuple[float, float] | None:
 
 def calibrated_vs_sd(name: str, cal: dict, sd: dict, sd_label: str) -> dict:
     """S2D calibrated >= the best single-exit SD. When calibration chose exactly that SD
-    setting (one exit, threshold 0, the same gamma: vanilla SD is in its search space and
-    escalating did not pay), both rows time the same program, so it holds by identity and
-    the measured difference is run-to-run noise; the paired per-prompt ratio shows its
-    size."""
+    setting (one exit, threshold 0, the same gamma, no draft stop: vanilla SD is in its
+    search space and escalating did not pay), both rows time the same program, so it holds
+    by identity and the measured difference is run-to-run noise; the paired per-prompt
+    ratio shows its size."""
     same = (list(cal["exits"]) == list(sd["exits"]) and cal["gamma"] == sd["gamma"]
-            and all(t == 0.0 for t in cal["thresholds"] or [0.0]))
+            and all(t == 0.0 for t in cal["thresholds"] or [0.0])
+            and not cal.get("stop_threshold"))
     value = f"{cal['speedup_vs_ar']:.2f}x vs {sd['speedup_vs_ar']:.2f}x ({sd_label})"
     pr = paired_ratio(cal, sd)
     if pr:

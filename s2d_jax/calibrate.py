@@ -51,13 +51,15 @@ def load_serving_config(target_dir: str) -> dict | None:
             cfg = json.load(f)
         th = [float(t) for t in cfg["thresholds"]]
         gamma = int(cfg["gamma"])
+        stop = float(cfg.get("stop_threshold", 0.0))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
                        f"'gamma'); delete it or rerun python -m infer.calibrate")
-    if not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1:
-        raise S2DError(f"{path} has thresholds outside [0, 1] or gamma < 1; rerun "
-                       f"python -m infer.calibrate")
-    return {**cfg, "thresholds": th, "gamma": gamma}
+    if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1
+            or not 0.0 <= stop <= 1.0):
+        raise S2DError(f"{path} has thresholds or stop_threshold outside [0, 1] or gamma < 1; "
+                       f"rerun python -m infer.calibrate")
+    return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
 
 
 def write_serving_config(target_dir: str, cfg: dict) -> str:
@@ -126,8 +128,11 @@ def exit_stats(draft_cfg, draft_params, exits, prompts: list[list[int]],
     return ExitStats(exits, correct, conf)
 
 
-def simulate(stats: ExitStats, thresholds, gamma: int) -> dict:
-    """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round"}."""
+def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dict:
+    """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round"}.
+
+    stop > 0: the dynamic draft length (chain.draft_block): after a drafted token whose
+    kept exit's confidence is below `stop`, the round drafts nothing more."""
     th = np.asarray(thresholds, np.float32)
     m = th.shape[0]
     usage = np.zeros(m, np.int64)
@@ -136,13 +141,16 @@ def simulate(stats: ExitStats, thresholds, gamma: int) -> dict:
         n = correct.shape[0]
         if n == 0:
             continue
-        stop = (conf >= th[None]) & (th[None] < 1.0)
-        stop[:, -1] = True
-        exit_idx = np.argmax(stop, axis=1)
+        stop_at = (conf >= th[None]) & (th[None] < 1.0)
+        stop_at[:, -1] = True
+        exit_idx = np.argmax(stop_at, axis=1)
         ok = correct[np.arange(n), exit_idx]
+        sure = conf[np.arange(n), exit_idx] >= stop
         k = 0
         while k < n:
             g = min(gamma, n - k)
+            unsure = np.flatnonzero(~sure[k:k + g - 1])  # drafting ends after the first
+            g = int(unsure[0]) + 1 if unsure.size else g
             window = ok[k:k + g]
             a = int(np.argmin(window)) if not window.all() else g
             np.add.at(usage, exit_idx[k:k + g], 1)
@@ -161,14 +169,14 @@ def threshold_grid(num_exits: int, values=None) -> list[tuple[float, ...]]:
 
 
 def predict_config(stats: ExitStats, costs: dict, ar_per_token: float, thresholds,
-                   gamma: int, exits=None) -> dict | None:
+                   gamma: int, exits=None, stop: float = 0.0) -> dict | None:
     """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma).
 
     costs (seconds per call, timed inside jitted loops, call_costs.py): target_verify
     {str(gamma): s}, exit_costs {exits_key: [s per draft step stopping at each exit]}.
     ar_per_token: T_target(1), the target's AR step timed the same way."""
     exits = tuple(stats.exits if exits is None else exits)
-    sim = simulate(stats.select(exits), thresholds, gamma)
+    sim = simulate(stats.select(exits), thresholds, gamma, stop)
     if sum(sim["exit_usage"]) == 0:
         return None
     verify = costs["target_verify"][str(gamma)]
@@ -176,7 +184,8 @@ def predict_config(stats: ExitStats, costs: dict, ar_per_token: float, threshold
                             sim["exit_usage"], sim["mean_accepted_tokens"],
                             sim["draft_steps_per_round"])
     return {"exits": list(exits), "thresholds": [float(t) for t in thresholds],
-            "gamma": int(gamma), **sim, "predicted_speedup": pred["predicted_speedup"]}
+            "gamma": int(gamma), "stop_threshold": float(stop), **sim,
+            "predicted_speedup": pred["predicted_speedup"]}
 
 
 def rank_configs(stats: ExitStats, costs: dict, ar_per_token: float, gammas,
@@ -220,15 +229,28 @@ def pick_setting(rows: list[dict], min_gain: float, key: str = "measured_speedup
     return best
 
 
-def serving_record(draft_dir: str, best: dict, paper: dict | None, questions: str,
-                   num_prompts: int, max_new_tokens: int) -> dict:
-    return {"draft": os.path.abspath(draft_dir), "exits": [int(e) for e in best["exits"]],
+def pick_stop(rows: list[dict], key: str = "measured_speedup") -> dict:
+    """The fastest of one setting measured at several draft stop thresholds (0 = off):
+    stopping the draft after an unsure token saves draft steps that the target would
+    mostly reject, and costs the tokens it would have accepted."""
+    return max(rows, key=lambda r: (r[key], r.get("stop_threshold", 0.0) == 0.0))
+
+
+def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,
+                   questions: str, num_prompts: int, max_new_tokens: int) -> dict:
+    """The serving config's content. Paths (informational) are relative to the target dir,
+    where the config lives, so a moved or cloned tree keeps them right."""
+    def rel(path):
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(target_dir))
+
+    return {"draft": rel(draft_dir), "exits": [int(e) for e in best["exits"]],
             "thresholds": best["thresholds"], "gamma": best["gamma"],
+            "stop_threshold": float(best.get("stop_threshold", 0.0)),
             "measured_speedup": best.get("measured_speedup"),
             "predicted_speedup": best["predicted_speedup"],
             "paper_thresholds_measured_speedup": None if paper is None
             else paper.get("measured_speedup"),
-            "calibrated_on": {"questions": os.path.abspath(questions), "prompts": num_prompts,
+            "calibrated_on": {"questions": rel(questions), "prompts": num_prompts,
                               "max_new_tokens": max_new_tokens,
                               "utc": datetime.datetime.now(datetime.timezone.utc)
                               .strftime("%Y-%m-%dT%H:%M:%SZ")}}

@@ -24,6 +24,11 @@ Three things made earlier versions of this probe miss by up to 40%, each measure
 Thresholds are traced, so forcing every drafted token to stop at exit j (threshold 0 at j,
 1 before it) reuses one compilation per method; a two-level round costs the same whatever
 is accepted (shapes are static), so K rounds of any text give the per-round cost.
+
+With a dynamic draft length (the decoder's stop_threshold > 0) a round runs between 1 and
+gamma draft steps (a step no row needs is skipped). Such a decoder is also timed with one
+draft step per round (a stop threshold no confidence reaches): `one_step_round_s`, per
+forced exit; a round of beta steps costs R1 + (beta - 1) / (gamma - 1) * (R - R1).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from s2d_jax import engine
 from s2d_jax.errors import S2DError
 
 MAX_ROUNDS = 48
+ONE_STEP = 1.5  # a draft stop threshold above any confidence: one draft step per round
 
 
 def forced_exit_thresholds(num_exits: int, j: int) -> list[float]:
@@ -70,10 +76,11 @@ class LoopProbe:
         self.spec = spec
         kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
                   mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
+        stops = [0.0] + ([ONE_STEP] if getattr(decoder, "stop_threshold", 0.0) > 0 else [])
         self.dps = [decoder.decode_params(
             spec, forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None,
-            temperature=temperature, max_new_tokens=new, eos_id=-1)
-            for j in range(max(spec.num_exits, 1))]
+            temperature=temperature, max_new_tokens=new, eos_id=-1, stop_threshold=stop)
+            for stop in stops for j in range(max(spec.num_exits, 1))]
         args = self._prefill_args(self.dps[0])
         self.first = engine.prefill.lower(*args, **kw).compile()
         state_shape = jax.eval_shape(lambda: self.first(*args))
@@ -112,5 +119,9 @@ class LoopProbe:
             raise S2DError("LoopProbe.result() before any sample(); call sample() first")
         k, med = self.rounds, statistics.median
         per_round = [max((med(t[k]) - med(t[0])) / k, 1e-9) for t in self.times]
-        return {"prefill_s": med(self.prefill_s), "round_s": per_round, "rounds": k,
-                "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
+        m = max(self.spec.num_exits, 1)
+        out = {"prefill_s": med(self.prefill_s), "round_s": per_round[:m], "rounds": k,
+               "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
+        if len(per_round) > m:
+            out["one_step_round_s"] = per_round[m:]
+        return out

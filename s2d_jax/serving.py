@@ -41,9 +41,11 @@ class Decoder:
                  confidence: str = "max_prob", kv_fill: str = "calm", target_tokenizer=None,
                  draft_tokenizer=None, name: str = "target", mesh=None,
                  intermediates: Sequence[tuple[ModelConfig, object]] = (),
-                 mus: Sequence[int] | None = None):
+                 mus: Sequence[int] | None = None, stop_threshold: float = 0.0):
         """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
-        chain (chain.py) with accumulation lengths `mus` (default: gamma per level)."""
+        chain (chain.py) with accumulation lengths `mus` (default: gamma per level).
+        `stop_threshold`: the default dynamic draft length (a row stops drafting after a
+        token whose confidence is below it; 0 = always gamma tokens)."""
         self.name, self.mesh = name, with_auto_axes(mesh)
         self.target_cfg, self.target_params = target_cfg, target_params
         if method == "self":
@@ -90,6 +92,10 @@ class Decoder:
                           else dataclasses.replace(draft_cfg, num_layers=exits[-1]))
         self.draft_params = None if method == "ar" else draft_params
         self.thresholds = thresholds
+        if not 0.0 <= stop_threshold <= 1.0:
+            raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got "
+                           f"{stop_threshold}")
+        self.stop_threshold = float(stop_threshold)
         DecodeParams.make(self.spec_base, thresholds)  # validate early
 
     @property
@@ -131,8 +137,9 @@ class Decoder:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 thresholds=None, eos_id: int | None = None, stop_threshold: float = 0.0,
-                 max_len: int | None = None, chunk_rounds: int = 0,
+                 thresholds=None, eos_id: int | None = None,
+                 stop_threshold: float | None = None, max_len: int | None = None,
+                 chunk_rounds: int = 0,
                  on_chunk: Callable[[GenState], None] | None = None) -> list[dict]:
         """Generate for a batch of token-id prompts -> one dict per prompt (ids + stats).
 
@@ -142,6 +149,8 @@ class Decoder:
         """
         spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
         eos = self.target_cfg.eos_token_id if eos_id is None else eos_id
+        if stop_threshold is None:
+            stop_threshold = self.stop_threshold
         dp = self.decode_params(spec, thresholds, temperature=temperature, top_k=top_k,
                                 top_p=top_p, max_new_tokens=max_new_tokens, eos_id=eos,
                                 stop_threshold=stop_threshold)
@@ -256,6 +265,7 @@ class TargetSpec:
     gamma: int = 4
     thresholds: Sequence[float] | None = None
     tokenizer: object = None
+    stop_threshold: float = 0.0  # dynamic draft length (Decoder), 0 = off
 
 
 class Engine:
@@ -272,7 +282,8 @@ class Engine:
                           draft_params=draft_params, exits=exits, gamma=t.gamma,
                           thresholds=t.thresholds, confidence=confidence, kv_fill=kv_fill,
                           target_tokenizer=t.tokenizer, draft_tokenizer=draft_tokenizer,
-                          name=name, mesh=mesh, intermediates=intermediates, mus=mus)
+                          name=name, mesh=mesh, intermediates=intermediates, mus=mus,
+                          stop_threshold=t.stop_threshold)
             for name, t in targets.items()}
 
     @property

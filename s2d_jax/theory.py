@@ -152,6 +152,18 @@ def two_level(target_cost_1: float, target_cost_verify: float, exit_costs: Seque
             "predicted_speedup": T1 * mean_accepted / round_s}
 
 
+def round_costs_at_steps(full_round_s: Sequence[float], one_step_round_s: Sequence[float],
+                         steps_per_round: float, gamma: int) -> list[float]:
+    """Round cost per forced exit with a dynamic draft length: rounds timed with all gamma
+    draft steps (R) and with one (R1) are linear in the steps run (each step is the same
+    call, skipped as a whole when no row needs it), so beta steps cost
+    R1 + (beta - 1) / (gamma - 1) * (R - R1)."""
+    if gamma <= 1:
+        return list(full_round_s)
+    frac = min(max((steps_per_round - 1.0) / (gamma - 1), 0.0), 1.0)
+    return [r1 + frac * (r - r1) for r, r1 in zip(full_round_s, one_step_round_s)]
+
+
 def loop_speedup(ar_round_s: float, ar_prefill_s: float, round_costs: Sequence[float],
                  exit_usage: Sequence[float], prefill_s: float, *, prompts: int, tokens: int,
                  rounds: int) -> dict:

@@ -162,7 +162,9 @@ def test_calibrated_vs_sd_check_identity_and_strict_cases():
     mean, se = paired_ratio(same, sd)
     assert mean == pytest.approx((0.95 + 0.98 + 0.97) / 3) and se > 0
     # another gamma or a multi-exit setting is held to the measured numbers
-    for other in (row(2.30, [1], 5, [0.0], [1.0, 1.0]), row(2.30, [1, 2], 4, [0.5, 0.0], [])):
+    stopped = {**same, "stop_threshold": 0.3}  # a draft stop is another program
+    for other in (row(2.30, [1], 5, [0.0], [1.0, 1.0]), row(2.30, [1, 2], 4, [0.5, 0.0], []),
+                  stopped):
         c = calibrated_vs_sd("l", other, sd, "sd@1")
         assert not c["pass"] and "same program" not in c["value"]
     assert calibrated_vs_sd("l", row(2.40, [1], 5, [0.0], []), sd, "sd@1")["pass"]
@@ -197,3 +199,20 @@ def test_run_target_repeats_are_passes_and_medians():
     assert [r["seconds"] for r in out["runs"][0.0]["a"]] == [1.2, 2.5, 3.5]
     assert [r["seconds"] for r in out["runs"][0.0]["b"]] == [5, 6, 7]
     assert out["compile_seconds"] == {"a": 0.5, "b": 0.5}
+
+
+def test_predict_with_a_draft_stop_uses_the_rounds_of_the_steps_run():
+    """A dynamic draft length runs beta < gamma draft steps per round: the prediction
+    interpolates between the rounds timed with gamma steps and with one."""
+    loop = {"0.0": {"ar": {"round_s": [1.0], "prefill_s": 0.0},
+                    "s2d-cal": {"round_s": [2.0], "one_step_round_s": [1.2],
+                                "prefill_s": 0.0}}}
+    entry = {"rounds": 10, "new_tokens": 30, "exit_usage": [25], "gamma": 4,
+             "draft_steps_per_round": 2.5, "speedup_vs_ar": 1.5}
+    got = bench.predict(entry, {"loop": loop}, "s2d-cal", None, "0.0", prompts=1)
+    round_s = 1.2 + (2.5 - 1) / 3 * (2.0 - 1.2)
+    assert got["predicted_round_s"] == pytest.approx(round_s)
+    assert got["predicted_speedup"] == pytest.approx(30 * 1.0 / (10 * round_s))
+    del loop["0.0"]["s2d-cal"]["one_step_round_s"]  # no stop: the full rounds
+    assert bench.predict(entry, {"loop": loop}, "s2d-cal", None, "0.0")[
+        "predicted_round_s"] == pytest.approx(2.0)

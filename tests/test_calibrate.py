@@ -45,6 +45,36 @@ def test_simulate_replays_rounds_by_hand():
     assert sim["exit_usage"] == [0, 6]
 
 
+def test_simulate_with_a_draft_stop_by_hand():
+    st = _stats()
+    # threshold 0.5 at exit 0: exits 0,0,1,0,0,1 with kept confidence .9,.8,.5,.7,.9,.5 and
+    # ok = T,T,T,T,F,T. Draft stop 0.6 (drafting ends after a token below it), gamma 3:
+    # round@0 drafts 0 (.9), 1 (.8), 2 (.5): all ok -> +4 (k=4); round@4 drafts 4 (.9),
+    # 5 (.5, then the window ends): 4 bad -> +1 (k=5); round@5 drafts 5 ok -> +2.
+    sim = calibrate.simulate(st, [0.5, 0.0], 3, stop=0.6)
+    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    # drafted: 0, 1, 2 | 4, 5 | 5 at exits 0, 0, 1 | 0, 1 | 1
+    assert sim["exit_usage"] == [3, 3] and sim["draft_steps_per_round"] == pytest.approx(2)
+    # stop 0.85: round@0 drafts 0 (.9), 1 (.8 < .85: last) -> both ok,
+    # +3 (k=3); round@3 drafts 3 (.7: last) ok -> +2 (k=5); round@5 drafts 5 -> +2:
+    # drafted 0, 1 | 3 | 5 at exits 0, 0 | 0 | 1.
+    sim = calibrate.simulate(st, [0.5, 0.0], 3, stop=0.85)
+    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["exit_usage"] == [3, 1] and sim["draft_steps_per_round"] == pytest.approx(4 / 3)
+    # stop 0 never stops: the plain replay
+    assert calibrate.simulate(st, [0.5, 0.0], 3, stop=0.0) == calibrate.simulate(
+        st, [0.5, 0.0], 3)
+
+
+def test_pick_stop_prefers_no_stop_on_ties():
+    rows = [{"stop_threshold": 0.0, "measured_speedup": 1.3},
+            {"stop_threshold": 0.3, "measured_speedup": 1.3},
+            {"stop_threshold": 0.5, "measured_speedup": 1.2}]
+    assert calibrate.pick_stop(rows)["stop_threshold"] == 0.0
+    rows[2]["measured_speedup"] = 1.4
+    assert calibrate.pick_stop(rows)["stop_threshold"] == 0.5
+
+
 def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
     correct = np.ones((40, 2), bool)
     conf = np.full((40, 2), 0.9, np.float32)
@@ -72,8 +102,13 @@ def test_serving_config_roundtrip_and_refusals(tmp_path):
     calibrate.write_serving_config(str(tmp_path), {"thresholds": [0.4, 0.0], "gamma": 3})
     assert calibrate.load_serving_config(str(tmp_path))["thresholds"] == [0.4, 0.0]
     assert [p.name for p in tmp_path.iterdir()] == [calibrate.SERVING_CONFIG]  # no temp left
+    assert calibrate.load_serving_config(str(tmp_path))["stop_threshold"] == 0.0  # default
     (tmp_path / calibrate.SERVING_CONFIG).write_text('{"thresholds": [2.0], "gamma": 3}')
     with pytest.raises(S2DError, match="outside"):
+        calibrate.load_serving_config(str(tmp_path))
+    (tmp_path / calibrate.SERVING_CONFIG).write_text(
+        '{"thresholds": [0.0], "gamma": 3, "stop_threshold": 1.5}')
+    with pytest.raises(S2DError, match="stop_threshold outside"):
         calibrate.load_serving_config(str(tmp_path))
     (tmp_path / calibrate.SERVING_CONFIG).write_text("not json")
     with pytest.raises(S2DError, match="not a valid serving config"):
@@ -105,15 +140,20 @@ def family(tmp_path_factory):
 def test_calibrate_cli_writes_a_valid_config(family, capsys):
     rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-new-tokens", "8",
-               "--gammas", "2", "--check", "1"])
+               "--gammas", "2", "--check", "1", "--stops", "0.5"])
     assert rc == 0
     cfg = calibrate.load_serving_config(str(family / "target"))
     assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
+    assert cfg["stop_threshold"] in (0.0, 0.5)
+    cap = capsys.readouterr()
+    assert "draft stop 0.5:" in cap.err and "x the speedup of 0.5" in cap.out
     assert set(cfg["exits"]) <= {1, 2} and len(cfg["thresholds"]) == len(cfg["exits"])
     assert cfg["measured_speedup"] > 0
     assert cfg["paper_thresholds_measured_speedup"] > 0
     assert cfg["calibrated_on"]["prompts"] == 2
-    assert "x the speedup of 0.5" in capsys.readouterr().out
+    # paths relative to the target dir, where the config lives
+    assert cfg["draft"] == os.path.join("..", "draft")
+    assert cfg["calibrated_on"]["questions"] == os.path.join("..", "q.jsonl")
 
 
 def _error(capsys, argv):
@@ -131,6 +171,9 @@ def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
                                                    "--finalists", "0"])
     assert "--min-gain" in _error(capsys, base + ["--draft", str(family / "draft"),
                                                   "--min-gain", "-0.1"])
+    for bad in ("1.5", "0.2,x", "0"):
+        assert "--stops" in _error(capsys, base + ["--draft", str(family / "draft"),
+                                                   "--stops", bad])
     assert "does not exist" in _error(capsys, ["--target", str(family / "target"), "--draft",
                                                str(family / "draft"), "--questions",
                                                str(tmp_path / "q.jsonl")])

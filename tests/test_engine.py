@@ -177,6 +177,19 @@ def test_dynamic_draft_length_stays_exact():
         assert rates[0] is not None and rates[1] is None and rates[2] is None
 
 
+def test_decoder_default_draft_stop_and_its_validation():
+    dcfg, dparams = draft()
+    # Same gamma and batch as the s2d case: no new compilation (the stop is traced).
+    eng = Engine({"a": TargetSpec(CFG, target_params(), gamma=3, thresholds=[0.3] * 3,
+                                  stop_threshold=1.0)},
+                 draft_cfg=dcfg, draft_params=dparams, exits=(1, 2, 3))
+    for p, o in zip(PROMPTS, eng.generate("a", PROMPTS, max_new_tokens=NEW, eos_id=-1)):
+        assert o["token_ids"] == reference(tuple(p))
+        assert o["stats"]["acceptance_rate_per_position"][1] is None  # one draft token
+    with pytest.raises(S2DError, match="stop threshold must lie in"):
+        make_decoder("s2d", (1, 2, 3), 3, stop_threshold=1.5)
+
+
 def test_engine_routes_to_named_targets():
     dcfg, dparams = draft()
     other = target_params(1)

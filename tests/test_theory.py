@@ -99,3 +99,11 @@ def test_loop_speedup_is_prefill_plus_rounds_times_usage_weighted_round_cost():
     assert out["predicted_speedup"] == pytest.approx(0.22 / (0.024 + 30 * round_s))
     with pytest.raises(S2DError):
         theory.loop_speedup(0.002, 0.0, [0.0], [1], 0.01, prompts=1, tokens=1, rounds=1)
+
+
+def test_round_costs_at_steps_interpolates_between_one_and_gamma_steps():
+    full, one = [2.0, 3.0], [1.0, 1.5]
+    assert theory.round_costs_at_steps(full, one, 4.0, 4) == [2.0, 3.0]
+    assert theory.round_costs_at_steps(full, one, 1.0, 4) == [1.0, 1.5]
+    assert theory.round_costs_at_steps(full, one, 2.5, 4) == pytest.approx([1.5, 2.25])
+    assert theory.round_costs_at_steps(full, one, 1.0, 1) == [2.0, 3.0]  # gamma 1: one step

@@ -1,0 +1,29 @@
+"""In-loop round probes (s2d_jax/loop_costs.py): a decoder with a dynamic draft length is
+also timed with one draft step per round, and those rounds really run one step."""
+
+import jax
+
+from s2d_jax import engine
+from s2d_jax.loop_costs import ONE_STEP, LoopProbe
+from test_engine import make_decoder
+
+
+def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
+    dec = make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3, stop_threshold=0.4)
+    probe = LoopProbe(dec, [5, 6, 7], max_len=64, rounds=4)
+    probe.sample()
+    res = probe.result()
+    assert len(res["round_s"]) == 3 and len(res["one_step_round_s"]) == 3
+    # The one-step program drafts exactly one token per round.
+    dp = probe.dps[3]
+    assert float(dp.stop_threshold) == ONE_STEP
+    kw = dict(draft_cfg=dec.draft_cfg, target_cfg=dec.target_cfg, spec=probe.spec,
+              mesh=None, mid_cfgs=())
+    args = probe._prefill_args(dp)
+    state = engine.decode_chunk(probe.first(*args), *probe._loop_args(dp, 4), **kw)
+    state = jax.device_get(state)
+    assert int(state.round) == 4 and state.proposed_at[0].tolist() == [4, 0, 0]
+    plain = LoopProbe(make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3), [5, 6, 7],
+                      max_len=64, rounds=4)
+    plain.sample()
+    assert "one_step_round_s" not in plain.result()
