@@ -76,7 +76,7 @@ class LoopProbe:
         self.spec = spec
         kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
                   mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
-        stops = [0.0] + ([ONE_STEP] if getattr(decoder, "stop_threshold", 0.0) > 0 else [])
+        stops = [0.0] + ([ONE_STEP] if decoder.stop_threshold > 0 else [])
         self.dps = [decoder.decode_params(
             spec, forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None,
             temperature=temperature, max_new_tokens=new, eos_id=-1, stop_threshold=stop)
