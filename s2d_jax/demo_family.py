@@ -37,8 +37,9 @@ STAGES = ("tokenizer", "targets", "mixture", "draft", "eval", "all")
 TARGETS = ("s", "m", "l")
 DRAFT_SOURCE = "s"  # the draft is initialised from this target's first layers
 # Training steps per target (16 x 256 tokens each; ~90 steps per epoch of the train split),
-# sized from step times measured on the shared 2-core CPU (~6.7 / 10 / 16.5 s per step for
-# s / m / l under load) so that the whole family trains in under an hour.
+# sized so that the whole family trains in under an hour on the shared 2-core CPU even
+# under load (measured: 1.6 / 2.3 / 7.8 s per step for s / m / l when idle, up to
+# ~6.7 / 10 / 16.5 s under load).
 TARGET_STEPS = {"s": 240, "m": 140, "l": 90}
 # Distillation corpus: openings of this many training speeches, continued by every target
 # greedily and at T = 1 (~3 x 256 x 2 x 130 = 200k tokens); MAT_PROMPTS other training
@@ -117,25 +118,29 @@ class SmokeSettings:
 
 # --- outputs and overwrite checks ---------------------------------------------------------
 
-def stage_outputs(paths: FamilyPaths, stage: str) -> list[str]:
+def stage_outputs(paths: FamilyPaths, stage: str, sizes=TARGETS) -> list[str]:
     """The committed outputs a stage (re)writes; they are refused without overwrite."""
     if stage == "tokenizer":
         return [paths.questions, paths.calibration]
     if stage == "targets":
-        return [paths.target(s) for s in TARGETS]
+        return [paths.target(s) for s in sizes]
     if stage == "draft":
         return [paths.draft]
     if stage == "mixture":
         return []  # only writes run_dir/mixture.txt
     if stage == "eval":
         return []  # only writes run_dir/report-eval.json
-    return [p for s in STAGES[:-1] for p in stage_outputs(paths, s)]
+    return [p for s in STAGES[:-1] for p in stage_outputs(paths, s, sizes)]
 
 
-def check_outputs(paths: FamilyPaths, stage: str, overwrite: bool) -> None:
+def check_outputs(paths: FamilyPaths, stage: str, overwrite: bool, sizes=TARGETS) -> None:
     if stage not in STAGES:
         raise S2DError(f"stage {stage!r} is not one of {', '.join(STAGES)}")
-    existing = [p for p in stage_outputs(paths, stage) if os.path.lexists(p)]
+    bad = [s for s in sizes if s not in TARGETS]
+    if bad or not sizes:
+        raise S2DError(f"target sizes {','.join(sizes)!r} are not a non-empty subset of "
+                       f"{','.join(TARGETS)}; pass e.g. --sizes s,m")
+    existing = [p for p in stage_outputs(paths, stage, sizes) if os.path.lexists(p)]
     if existing and not overwrite:
         raise S2DError(f"{', '.join(existing)} already exist(s); pass --overwrite to rebuild "
                        f"them or choose another --out")
@@ -262,11 +267,11 @@ def _smoke_model_overrides(smoke: SmokeSettings | None, size: str) -> list[str]:
 
 
 def stage_targets(paths: FamilyPaths, smoke: SmokeSettings | None, overwrite: bool,
-                  log=print) -> dict:
+                  log=print, sizes=TARGETS) -> dict:
     _require(paths.tokenizer, "the demo tokenizer")
     _require(paths.train_split, "the train split")
     report = {}
-    for size in TARGETS:
+    for size in sizes:
         yaml = os.path.join(paths.model_configs, f"demo-{size}.yaml")
         _require(yaml, f"model config of demo-{size}")
         tc = _train_config(paths, "demo_target.yaml", yaml, paths.target_f32(size),
@@ -368,9 +373,13 @@ def stage_eval(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> di
 
 
 def build_family(paths: FamilyPaths, stage: str = "all", overwrite: bool = False,
-                 smoke: SmokeSettings | None = None, log=print) -> dict:
-    """Run `stage` (or all); returns a report dict (also written to run_dir/report.json)."""
-    check_outputs(paths, stage, overwrite)
+                 smoke: SmokeSettings | None = None, log=print, sizes=TARGETS) -> dict:
+    """Run `stage` (or all); returns a report dict (also written to run_dir/report.json).
+
+    `sizes` limits the targets stage to some targets (after a change to their configs);
+    the later stages always read all three float32 targets from the run dir.
+    """
+    check_outputs(paths, stage, overwrite, sizes)
     os.makedirs(paths.run_dir, exist_ok=True)
     report, t_all = {}, time.perf_counter()
     runs = STAGES[:-1] if stage == "all" else (stage,)
@@ -379,7 +388,7 @@ def build_family(paths: FamilyPaths, stage: str = "all", overwrite: bool = False
         if name == "tokenizer":
             report["tokenizer"] = stage_tokenizer(paths, smoke, log)
         elif name == "targets":
-            report.update(stage_targets(paths, smoke, overwrite, log))
+            report.update(stage_targets(paths, smoke, overwrite, log, sizes))
         elif name == "mixture":
             report.update(stage_mixture(paths, smoke, log))
         elif name == "draft":

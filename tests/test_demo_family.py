@@ -231,3 +231,23 @@ def test_draft_is_the_better_of_corpus_and_mixture_soft(family):
     prompts, mat_prompts, _ = df._held_in_prompts(paths, SMOKE)
     assert len(set(prompts + mat_prompts)) == len(prompts + mat_prompts)
     assert not any(p in heldout for p in prompts + mat_prompts)
+
+
+def test_sizes_retrains_only_the_named_targets(family, capsys):
+    """`--sizes s` rewrites target-s and leaves target-m/l alone; a bad size is refused.
+    Runs last in this module: it rewrites the fixture's target-s (same seed, same data)."""
+    paths, argv = family
+    untouched = {s: _sha(os.path.join(paths.target(s), "model.safetensors")) for s in "ml"}
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--stage", "targets", "--sizes", "s,xl", "--overwrite"])
+    assert e.value.code == 2 and "--sizes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a named target that exists is still refused
+        cli.main(argv + ["--stage", "targets", "--sizes", "s"])
+    assert e.value.code == 2 and "target-s" in capsys.readouterr().err
+    s_file = os.path.join(paths.target("s"), "model.safetensors")
+    before = os.stat(s_file).st_mtime_ns
+    cli.main(argv + ["--stage", "targets", "--sizes", "s", "--overwrite"])
+    assert os.stat(s_file).st_mtime_ns != before
+    assert {s: _sha(os.path.join(paths.target(s), "model.safetensors")) for s in "ml"} == untouched
+    report = json.load(open(os.path.join(paths.run_dir, "report-targets.json")))
+    assert "target-s" in report and "target-m" not in report

@@ -2,6 +2,7 @@
 
     python -m train.demo_family --out models/demo [--smoke] [--overwrite]
                                 [--stage tokenizer|targets|mixture|draft|eval|all]
+                                [--sizes s,m,l]
 
 Trains on data/tinyshakespeare.txt (first 90% of its paragraphs; the last 10% are held
 out and give data/demo_questions.jsonl, the benchmark's prompts, and the disjoint
@@ -27,6 +28,9 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="output dir of the HF model dirs (models/demo)")
     p.add_argument("--stage", choices=STAGES, default="all")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.add_argument("--sizes", default="s,m,l",
+                   help="targets the targets stage trains (e.g. s,m after changing their "
+                        "configs; the other stages use all three)")
     p.add_argument("--smoke", action="store_true", help="tiny, fast run of the whole pipeline")
     p.add_argument("--run-dir", default=None,
                    help="scratch dir (default runs/demo_family, or <out>/run with --smoke)")
@@ -47,7 +51,8 @@ def main(argv=None):
                         calibration=calibration,
                         model_configs=os.path.join(args.configs, "models"),
                         train_configs=os.path.join(args.configs, "train"))
-    build_family(paths, args.stage, args.overwrite, SmokeSettings() if args.smoke else None)
+    build_family(paths, args.stage, args.overwrite, SmokeSettings() if args.smoke else None,
+                 sizes=tuple(s.strip() for s in args.sizes.split(",") if s.strip()))
 
 
 if __name__ == "__main__":
