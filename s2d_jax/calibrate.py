@@ -14,8 +14,8 @@
    not pay), the best few predicted multi-exit settings and the paper's 0.5/.../0. The
    fastest few are measured again (`finalists`: the best of many noisy runs is biased
    up), and the fastest on that second run is written to DIR/s2d_serving.json
-   (atomically), a multi-exit setting only if it beats the best single exit by a margin
-   (`pick_setting`).
+   (atomically): the setting closest to the default (one exit, gamma 4) within a noise
+   margin of the fastest (`pick_setting`).
 """
 
 from __future__ import annotations
@@ -216,24 +216,29 @@ def finalists(rows: list[dict], k: int) -> list[dict]:
     return out
 
 
-def pick_setting(rows: list[dict], min_gain: float, key: str = "measured_speedup") -> dict:
-    """The fastest setting by `key`, except that a multi-exit one must beat the fastest
-    single exit by the factor 1 + min_gain: escalation is kept only where it measurably
-    pays, not where it wins by less than the run-to-run noise."""
-    best = max(rows, key=lambda r: r[key])
-    singles = [r for r in rows if len(r["exits"]) == 1]
-    if len(best["exits"]) > 1 and singles:
-        single = max(singles, key=lambda r: r[key])
-        if best[key] < single[key] * (1.0 + min_gain):
-            return single
-    return best
+def pick_setting(rows: list[dict], min_gain: float, default_gamma: int = 4,
+                 key: str = "measured_speedup") -> dict:
+    """The setting closest to the default (one exit, `default_gamma`) among those within
+    the factor 1 + min_gain (about the run-to-run noise) of the fastest by `key`: fewest
+    exits first, then the gamma nearest the default (the smaller on a tie), then the
+    fastest. A departure from the default is kept only where it measurably pays: settings
+    closer than the noise are a coin flip on other prompts."""
+    fastest = max(r[key] for r in rows)
+    near = [r for r in rows if r[key] * (1.0 + min_gain) >= fastest]
+    return min(near, key=lambda r: (len(r["exits"]), abs(r["gamma"] - default_gamma),
+                                    r["gamma"], -r[key]))
 
 
-def pick_stop(rows: list[dict], key: str = "measured_speedup") -> dict:
+def pick_stop(rows: list[dict], min_gain: float = 0.0, key: str = "measured_speedup") -> dict:
     """The fastest of one setting measured at several draft stop thresholds (0 = off):
     stopping the draft after an unsure token saves draft steps that the target would
-    mostly reject, and costs the tokens it would have accepted."""
-    return max(rows, key=lambda r: (r[key], r.get("stop_threshold", 0.0) == 0.0))
+    mostly reject, and costs the tokens it would have accepted. Like escalation in
+    `pick_setting`, a stop must beat no stop by the factor 1 + min_gain to be kept."""
+    best = max(rows, key=lambda r: (r[key], r.get("stop_threshold", 0.0) == 0.0))
+    off = [r for r in rows if not r.get("stop_threshold", 0.0)]
+    if off and best[key] < off[0][key] * (1.0 + min_gain):
+        return off[0]
+    return best
 
 
 def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,

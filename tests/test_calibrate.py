@@ -73,6 +73,9 @@ def test_pick_stop_prefers_no_stop_on_ties():
     assert calibrate.pick_stop(rows)["stop_threshold"] == 0.0
     rows[2]["measured_speedup"] = 1.4
     assert calibrate.pick_stop(rows)["stop_threshold"] == 0.5
+    # a stop must beat no stop by the factor 1 + min_gain, as escalation must
+    assert calibrate.pick_stop(rows, min_gain=0.1)["stop_threshold"] == 0.0
+    assert calibrate.pick_stop(rows, min_gain=0.07)["stop_threshold"] == 0.5
 
 
 def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
@@ -179,8 +182,8 @@ def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
                                                str(tmp_path / "q.jsonl")])
 
 
-def _setting(label, exits, speed):
-    return {"label": label, "exits": exits, "measured_speedup": speed}
+def _setting(label, exits, speed, gamma=4):
+    return {"label": label, "exits": exits, "measured_speedup": speed, "gamma": gamma}
 
 
 def test_finalists_add_the_fastest_single_exit():
@@ -199,3 +202,17 @@ def test_pick_setting_keeps_escalation_only_when_it_pays():
     faster_single = _setting("sd2", [2], 2.1)
     assert calibrate.pick_setting([single, multi, faster_single], 0.0) is faster_single
     assert calibrate.pick_setting([multi], 0.5) is multi  # nothing to fall back to
+
+
+def test_pick_setting_keeps_the_default_gamma_within_noise():
+    g4, g5, g6 = (_setting(f"g{g}", [1], s, g) for g, s in ((4, 1.88), (5, 1.89), (6, 1.86)))
+    assert calibrate.pick_setting([g6, g5, g4], 0.03) is g4  # all within 3% of 1.89x
+    assert calibrate.pick_setting([g6, g5, g4], 0.0) is g5  # no margin: the fastest
+    assert calibrate.pick_setting([g6, g5], 0.03) is g5  # nearest the default gamma
+    g3 = _setting("g3", [1], 1.89, 3)
+    assert calibrate.pick_setting([g6, g5, g3], 0.03) is g3  # a tie in distance: smaller
+    assert calibrate.pick_setting([g6, g5, g3], 0.03, default_gamma=6) is g6
+    slow4 = _setting("g4", [1], 1.80, 4)  # 5% slower: out of the margin
+    assert calibrate.pick_setting([slow4, g5, g6], 0.03) is g5
+    multi = _setting("m3", [1, 2], 1.95, 3)  # 3.2% faster than g5: escalation pays
+    assert calibrate.pick_setting([g4, g5, multi], 0.03) is multi
