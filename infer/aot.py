@@ -70,7 +70,7 @@ def _model_cfg(path: str, dtype: str | None):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
-    from s2d_jax.distributed import parse_mesh
+    from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = _ints(args.batch, "--batch")
     exits = _ints(args.exits, "--exits") if args.exits else None
@@ -82,9 +82,9 @@ def main(argv=None):
 
     import jax
 
-    from s2d_jax.aot import (GenerateSetup, accelerator_like_options, compile_generate,
+    from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
                              device_memory_bytes, format_report, memory_report, param_gathers)
-    from s2d_jax.distributed import build_mesh
+    from s2d_jax.parallel.multihost import build_mesh
 
     device_bytes = device_memory_bytes(args.device_memory)
     target = _model_cfg(args.target, args.dtype)

@@ -82,7 +82,7 @@ def _check_args(args):
         if v < 1:
             raise S2DError(f"{flag} must be >= 1, got {v}")
     kinds = [k.strip() for k in args.methods.split(",") if k.strip()]
-    from s2d_jax.bench import METHOD_KINDS
+    from s2d_jax.bench.runner import METHOD_KINDS
     bad = [k for k in kinds if k not in METHOD_KINDS]
     if bad or not kinds:
         raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
@@ -94,7 +94,7 @@ def _check_args(args):
 
 def _check_chains(args, targets, temps, kinds) -> dict:
     """--chain values -> {target name: [ChainSpec]}, checked before any model is loaded."""
-    from s2d_jax.bench_chain import parse_chain
+    from s2d_jax.bench.chains import parse_chain
 
     if args.mu is not None and args.mu < 1:
         raise S2DError(f"--mu must be >= 1, got {args.mu}")
@@ -130,9 +130,10 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     import jax
     from tqdm import tqdm
 
-    from s2d_jax import bench, bench_chain
-    from s2d_jax.calibrate import load_serving_config
-    from s2d_jax.checkpoint import load_model
+    from s2d_jax.bench import runner as bench
+    from s2d_jax.bench import chains as bench_chain
+    from s2d_jax.bench.calibrate import load_serving_config
+    from s2d_jax.io.checkpoint import load_model
 
     cfg, params, _ = load_model(path, dtype=args.dtype)
     if tok.vocab_size > cfg.vocab_size:
@@ -219,9 +220,9 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
 def main(argv=None):
     args = parse_args(argv)
     targets, temps, kinds, chains = _check_args(args)
-    from s2d_jax import bench_report
-    from s2d_jax.prompts import encode_questions, read_questions
-    from s2d_jax.tokenizer import load_tokenizer
+    from s2d_jax.bench import report as bench_report
+    from s2d_jax.data.prompts import encode_questions, read_questions
+    from s2d_jax.io.tokenizer import load_tokenizer
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(args.questions, cats, args.max_prompts)
@@ -233,7 +234,7 @@ def main(argv=None):
     prompts = encode_questions(tok, questions, args.chat_template)
     draft = None
     if args.draft:
-        from s2d_jax.checkpoint import load_model
+        from s2d_jax.io.checkpoint import load_model
         d_cfg, d_params, extra = load_model(args.draft, dtype=args.dtype)
         draft = (d_cfg, d_params, tuple(extra.get("s2d_exits") or [d_cfg.num_layers]))
     report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
@@ -246,7 +247,7 @@ def main(argv=None):
         report["targets"][name], all_runs[name] = tgt, runs
         report["notes"] += notes
         if args.hf_baseline:
-            from s2d_jax.hf_baseline import hf_baselines
+            from s2d_jax.bench.hf_baseline import hf_baselines
             log(f"[{name}] HF transformers generate (plain, assisted)")
             ar = runs.get(0.0, {}).get("ar")
             tgt["hf_baseline"] = hf_baselines(

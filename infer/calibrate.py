@@ -88,10 +88,10 @@ class Calibration:
     predictions use (set by `measure_stats_and_costs`)."""
 
     def __init__(self, args, name, path, gammas):
-        from s2d_jax import bench
-        from s2d_jax.checkpoint import load_model
-        from s2d_jax.prompts import encode_questions, read_questions
-        from s2d_jax.tokenizer import load_tokenizer
+        from s2d_jax.bench import runner as bench
+        from s2d_jax.io.checkpoint import load_model
+        from s2d_jax.data.prompts import encode_questions, read_questions
+        from s2d_jax.io.tokenizer import load_tokenizer
 
         self.args, self.name, self.path, self.gammas = args, name, path, gammas
         # The paper's gamma, also the default one keeps unless another measurably pays.
@@ -122,12 +122,12 @@ class Calibration:
         self.ar_spec = bench.MethodSpec("ar", "ar", gamma=0)
 
     def build(self, specs) -> dict:
-        from s2d_jax import bench
+        from s2d_jax.bench import runner as bench
         return bench.build_decoders(list(specs), self.cfg, self.params, self.d_cfg,
                                     self.d_params, prompt_width=self.width)
 
     def run(self, decoders, repeats=None) -> dict:
-        from s2d_jax import bench
+        from s2d_jax.bench import runner as bench
         return bench.run_target(decoders, self.prompts, temperatures=[0.0],
                                 max_new_tokens=self.args.max_new_tokens,
                                 max_len=self.max_len, eos_id=self.eos,
@@ -135,7 +135,7 @@ class Calibration:
 
     def measure(self, decoders) -> dict:
         """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT."""
-        from s2d_jax import bench
+        from s2d_jax.bench import runner as bench
         per = self.run(decoders)
         ar_tps = bench._aggregate(per["ar"])["tokens_per_second"]
         out = {}
@@ -147,8 +147,8 @@ class Calibration:
         return out
 
     def measure_stats_and_costs(self) -> None:
-        from s2d_jax import calibrate
-        from s2d_jax.call_costs import draft_step_probes, verify_probe
+        from s2d_jax.bench import calibrate
+        from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
         log(f"[{self.name}] greedy AR trajectories on {len(self.prompts)} prompts")
         ar_runs = self.run(self.build([self.ar_spec]), repeats=1)["ar"]
         self.stats = calibrate.exit_stats(self.d_cfg, self.d_params, self.exits, self.prompts,
@@ -173,7 +173,7 @@ class Calibration:
         self.ar_per_token = verify[0].result()
 
     def predicted(self, thresholds, gamma, exits, stop=0.0):
-        from s2d_jax import calibrate
+        from s2d_jax.bench import calibrate
         p = calibrate.predict_config(self.stats, self.costs, self.ar_per_token, thresholds,
                                      gamma, exits, stop)
         return p["predicted_speedup"] if p else None
@@ -185,7 +185,8 @@ def _candidates(cal: Calibration) -> dict:
     measuring them all costs a few minutes, while ranking them by predicted speed once left
     the fastest one out), the best --check predicted multi-exit settings and the best
     multi-exit one of each gamma."""
-    from s2d_jax import bench, calibrate
+    from s2d_jax.bench import runner as bench
+    from s2d_jax.bench import calibrate
     gammas, exits = cal.gammas, cal.exits
     ranked = calibrate.rank_configs(cal.stats, cal.costs, cal.ar_per_token, gammas)
     if not ranked:
@@ -214,7 +215,7 @@ def _require_exact(measured: dict, label: str, what: str) -> None:
 def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]:
     """(best, 0.5/.../0 row, decoders): every candidate measured, the --finalists fastest
     measured again, the choice made on the second run (calibrate.pick_setting)."""
-    from s2d_jax import calibrate
+    from s2d_jax.bench import calibrate
     decs = cal.build([cal.ar_spec] + list(candidates.values()))
     measured = cal.measure(decs)
     rows = []
@@ -248,7 +249,8 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
     one; a stop that wins by --min-gain is measured again with the setting without it and
     kept only if it wins by --min-gain there too (the best of several noisy runs is biased
     up)."""
-    from s2d_jax import bench, calibrate
+    from s2d_jax.bench import runner as bench
+    from s2d_jax.bench import calibrate
     ex, th, g = tuple(best["exits"]), tuple(best["thresholds"]), best["gamma"]
     base = {**best, "stop_threshold": 0.0}
     specs = {f"stop{x}": bench.MethodSpec(f"stop{x}", "s2d", ex, th, g, x) for x in stops}
@@ -291,7 +293,7 @@ def main(argv=None):
             raise S2DError(f"{what} dir {p} does not exist")
     gammas, stops = _validate(args)
 
-    from s2d_jax import calibrate
+    from s2d_jax.bench import calibrate
     cal = Calibration(args, name, path, gammas)
     cal.measure_stats_and_costs()
     candidates = _candidates(cal)

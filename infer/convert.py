@@ -14,10 +14,10 @@ import argparse
 import os
 import sys
 
-from s2d_jax.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
+from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
-from s2d_jax.hf import export_hf, load_hf
+from s2d_jax.io.hf import export_hf, load_hf
 
 
 def _parser() -> argparse.ArgumentParser:

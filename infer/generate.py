@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-from s2d_jax.engine_state import METHODS
+from s2d_jax.decode.state import METHODS
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -105,7 +105,7 @@ def parse_targets(specs: list[str]) -> dict[str, str]:
 def read_requests(args) -> list[dict]:
     if args.prompt is not None:
         return [{"question_id": 0, "category": None, "text": args.prompt}]
-    from s2d_jax.prompts import read_questions
+    from s2d_jax.data.prompts import read_questions
 
     return read_questions(args.prompts)
 
@@ -115,9 +115,9 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def build_engine(args, targets: dict[str, str]):
-    from s2d_jax.checkpoint import load_model
-    from s2d_jax.serving import Engine, TargetSpec
-    from s2d_jax.tokenizer import load_tokenizer
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.decode.serving import Engine, TargetSpec
+    from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer or next(iter(targets.values())))
     thresholds = _floats(args.thresholds) if args.thresholds else None
@@ -146,7 +146,7 @@ def build_engine(args, targets: dict[str, str]):
             exits = (_ints(args.exits) if args.exits else
                      extra.get("s2d_exits") or [draft_cfg.num_layers])
             if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
-                from s2d_jax.calibrate import load_serving_config
+                from s2d_jax.bench.calibrate import load_serving_config
                 served = load_serving_config(next(iter(targets.values())))
                 if served is not None and served.get("exits"):
                     exits = [int(e) for e in served["exits"]]
@@ -155,7 +155,7 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError("method self needs --exit (how many target layers draft)")
         exits = [args.exit]
     if exits is not None and thresholds is None:
-        from s2d_jax.calibrate import load_serving_config
+        from s2d_jax.bench.calibrate import load_serving_config
         for name, s in specs.items():
             served = load_serving_config(targets[name]) if args.method == "s2d" else None
             if served is not None and list(served.get("exits") or exits) == list(exits):
@@ -177,8 +177,8 @@ def build_engine(args, targets: dict[str, str]):
 
 def _load_intermediates(args, specs) -> list:
     """[(cfg, params)] of the chain's intermediate levels (lowest first), maybe quantized."""
-    from s2d_jax.checkpoint import load_model
-    from s2d_jax.quantize import quantize_params
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.model.quantize import quantize_params
 
     if not args.intermediate and not args.quantize_intermediate:
         if args.mu:
@@ -211,7 +211,9 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
     restored straight onto its devices; sizes are checked before any weight is read."""
     if not args.mesh:
         return None, lambda name: None
-    from s2d_jax.distributed import build_mesh, param_shardings, parse_mesh, stored_model_config
+    from s2d_jax.io.checkpoint import stored_model_config
+    from s2d_jax.model.transformer import param_shardings
+    from s2d_jax.parallel.multihost import build_mesh, parse_mesh
     paths = {f"target[{name}]": path for name, path in targets.items()}
     if args.method in ("sd", "s2d") and args.draft:
         paths["draft"] = args.draft
@@ -237,7 +239,7 @@ def _write_jsonl_atomic(path: str, rows: list[dict]) -> None:
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
-    from s2d_jax.distributed import maybe_initialize_distributed
+    from s2d_jax.parallel.multihost import maybe_initialize_distributed
     maybe_initialize_distributed()  # before any device query; no-op on one host
     if args.batch_size < 1:
         raise S2DError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -250,7 +252,7 @@ def main(argv=None):
             raise S2DError(f"unknown target {r['target']!r}; known targets: "
                            f"{', '.join(targets)}")
     engine, tok = build_engine(args, targets)
-    from s2d_jax.chat import vicuna_prompt
+    from s2d_jax.data.chat import vicuna_prompt
 
     for r in reqs:
         text = vicuna_prompt([r["text"]]) if args.chat_template == "vicuna" else r["text"]
@@ -283,7 +285,7 @@ def main(argv=None):
             if stream:
                 print(rows[-1]["text"][len(printed[0]):], flush=True)
         if args.time_split and args.method != "ar":
-            from s2d_jax.serving import measure_time_split
+            from s2d_jax.decode.serving import measure_time_split
             split = measure_time_split(engine.decoder(name), [mine[0]["ids"]], **decode_kw)
             for row in rows:
                 if row["target"] == name:

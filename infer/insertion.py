@@ -24,7 +24,7 @@ import argparse
 import json
 import os
 
-from s2d_jax import theory
+from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError, cli_main
 
 

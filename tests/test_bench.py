@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from infer.bench import main
-from s2d_jax import bench, model, theory
-from s2d_jax.calibrate import SERVING_CONFIG
+from s2d_jax.bench import runner as bench
+from s2d_jax.model import transformer as model
+from s2d_jax.bench import theory
+from s2d_jax.bench.calibrate import SERVING_CONFIG
 from s2d_jax.config import ModelConfig
-from s2d_jax.hf import export_hf
+from s2d_jax.io.hf import export_hf
 from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,7 +150,7 @@ def test_bench_subprocess_error_exit_code(tmp_path):
 
 
 def test_calibrated_vs_sd_check_identity_and_strict_cases():
-    from s2d_jax.bench_report import calibrated_vs_sd, paired_ratio
+    from s2d_jax.bench.report import calibrated_vs_sd, paired_ratio
 
     def row(speed, exits, gamma, th, per_prompt):
         return {"speedup_vs_ar": speed, "exits": exits, "gamma": gamma, "thresholds": th,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from infer.bench import main
-from s2d_jax import bench_chain, theory
-from s2d_jax.bench import MethodSpec
+from s2d_jax.bench import chains as bench_chain
+from s2d_jax.bench import theory
+from s2d_jax.bench.runner import MethodSpec
 from s2d_jax.errors import S2DError
 from tiny_models import cli_error
 
@@ -252,9 +253,9 @@ def test_level_counts_equal_the_engines_raw_counters():
     import jax
     import jax.numpy as jnp
 
-    from s2d_jax import engine
-    from s2d_jax.engine_state import DecodeParams, SpecConfig
-    from s2d_jax.serving import summarize
+    from s2d_jax.decode import engine
+    from s2d_jax.decode.state import DecodeParams, SpecConfig
+    from s2d_jax.decode.serving import summarize
     from test_chain import other_model
     from test_engine import CFG, PROMPTS, draft, target_params
 

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from infer.calibrate import main
-from s2d_jax import calibrate
+from s2d_jax.bench import calibrate
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.hf import export_hf
-from s2d_jax import model
+from s2d_jax.io.hf import export_hf
+from s2d_jax.model import transformer as model
 from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

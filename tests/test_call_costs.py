@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from s2d_jax import call_costs, model
-from s2d_jax.drafting import draft_token
+from s2d_jax.bench import call_costs
+from s2d_jax.model import transformer as model
+from s2d_jax.decode.drafting import draft_token
 from s2d_jax.errors import S2DError
-from s2d_jax.kvcache import init_cache
-from s2d_jax.loop_costs import forced_exit_thresholds
-from s2d_jax.sampling import SamplingParams, probs_from_logits, speculative_verify
+from s2d_jax.model.kvcache import init_cache
+from s2d_jax.bench.loop_costs import forced_exit_thresholds
+from s2d_jax.decode.sampling import SamplingParams, probs_from_logits, speculative_verify
 from test_engine import CFG, draft, target_params
 
 

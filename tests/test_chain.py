@@ -9,10 +9,10 @@ import functools
 import numpy as np
 import pytest
 
-from s2d_jax.engine_state import SpecConfig
+from s2d_jax.decode.state import SpecConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.quantize import quantize_params
-from s2d_jax.serving import Decoder
+from s2d_jax.model.quantize import quantize_params
+from s2d_jax.decode.serving import Decoder
 from test_engine import CFG, NEW, PROMPTS, draft, numpy_init, reference, target_params
 from test_generate_cli import models  # noqa: F401  (pytest fixture: tiny exported HF models)
 
@@ -131,8 +131,8 @@ def test_cli_quantized_target_intermediate_is_lossless(models):
     import json
 
     from infer.generate import main
-    from s2d_jax.chat import vicuna_prompt
-    from s2d_jax.tokenizer import load_tokenizer
+    from s2d_jax.data.chat import vicuna_prompt
+    from s2d_jax.io.tokenizer import load_tokenizer
     from test_generate_cli import TOKENIZER, greedy_reference
 
     root, target = models

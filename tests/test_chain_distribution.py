@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax import engine
-from s2d_jax.engine_state import DecodeParams, SpecConfig
-from s2d_jax.quantize import quantize_params
+from s2d_jax.decode import engine
+from s2d_jax.decode.state import DecodeParams, SpecConfig
+from s2d_jax.model.quantize import quantize_params
 from test_engine_distribution import CFG, PROMPT, ROWS, chi_square_pooled, exact_joint, params
 
 V = CFG.vocab_size

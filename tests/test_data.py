@@ -8,9 +8,9 @@ import warnings
 import numpy as np
 import pytest
 
-from s2d_jax.data import DataConfig, build_examples, make_dataset, make_iterator
+from s2d_jax.data.pipeline import DataConfig, build_examples, make_dataset, make_iterator
 from s2d_jax.errors import S2DError
-from s2d_jax.tokenizer import load_tokenizer
+from s2d_jax.io.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "assets", "llama2_tokenizer")

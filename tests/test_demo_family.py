@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 
-from s2d_jax import demo_family as df
-from s2d_jax import demo_questions as dq
-from s2d_jax import model
-from s2d_jax.checkpoint import load_model
+from examples.demo_family import pipeline as df
+from examples.demo_family import questions as dq
+from s2d_jax.model import transformer as model
+from s2d_jax.io.checkpoint import load_model
 from s2d_jax.errors import S2DError
-from s2d_jax.tokenizer import load_tokenizer
-from train import demo_family as cli
+from s2d_jax.io.tokenizer import load_tokenizer
+from examples.demo_family import build as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "tinyshakespeare.txt")

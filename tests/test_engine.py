@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s2d_jax import engine, model
+from s2d_jax.decode import engine
+from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.engine_state import DecodeParams
+from s2d_jax.decode.state import DecodeParams
 from s2d_jax.errors import S2DError
-from s2d_jax.serving import Decoder, Engine, TargetSpec, measure_time_split
+from s2d_jax.decode.serving import Decoder, Engine, TargetSpec, measure_time_split
 from tiny_models import numpy_params as numpy_init
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -259,7 +260,7 @@ def test_generation_stops_when_cache_is_full():
 
 @pytest.mark.slow  # sharded compilation over 8 fake devices
 def test_sharded_generation_matches_reference():
-    from s2d_jax.sharding import MeshConfig, logical_to_sharding, make_mesh
+    from s2d_jax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     dcfg, dparams = draft()

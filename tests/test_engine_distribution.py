@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from s2d_jax import engine, model
+from s2d_jax.decode import engine
+from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.engine_state import DecodeParams, SpecConfig
-from s2d_jax.sampling import SamplingParams, probs_from_logits
+from s2d_jax.decode.state import DecodeParams, SpecConfig
+from s2d_jax.decode.sampling import SamplingParams, probs_from_logits
 from tiny_models import numpy_params as numpy_init
 
 V, ROWS, NEW = 12, 20_000, 3

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from infer.generate import main
-from s2d_jax import model
+from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.hf import export_hf
-from s2d_jax.tokenizer import load_tokenizer
+from s2d_jax.io.hf import export_hf
+from s2d_jax.io.tokenizer import load_tokenizer
 from tiny_models import cli_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +74,7 @@ def test_s2d_cli_writes_lossless_jsonl(models):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["question_id"] for r in rows] == [7, 8]
     tok = load_tokenizer(TOKENIZER)
-    from s2d_jax.chat import vicuna_prompt
+    from s2d_jax.data.chat import vicuna_prompt
     for r, q in zip(rows, ["What is 2+2?", "Say hi."]):
         ids = tok.encode(vicuna_prompt([q]))
         ref = greedy_reference(target, ids, 6)
@@ -123,7 +123,7 @@ def test_cli_streams_single_prompt(models, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     tok = load_tokenizer(TOKENIZER)
-    from s2d_jax.chat import vicuna_prompt
+    from s2d_jax.data.chat import vicuna_prompt
     ref = greedy_reference(target, tok.encode(vicuna_prompt(["Say hi."])), 6)
     eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
     assert printed.strip() == tok.decode(ref[:eos_cut]).strip()

@@ -12,13 +12,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from s2d_jax import hf
-from s2d_jax.checkpoint import load_model, restore_params, save_params
+from s2d_jax.io import hf
+from s2d_jax.io.checkpoint import load_model, restore_params, save_params
 from s2d_jax.errors import S2DError
-from s2d_jax.kvcache import init_cache
-from s2d_jax.model import forward
-from s2d_jax.model import param_axes
-from s2d_jax.sharding import MeshConfig, logical_to_sharding, make_mesh
+from s2d_jax.model.kvcache import init_cache
+from s2d_jax.model.transformer import forward
+from s2d_jax.model.transformer import param_axes
+from s2d_jax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh
 
 TOL = 1e-4
 MAX_POS = 16

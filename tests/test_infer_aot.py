@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from s2d_jax.aot import (CPU_NO_HOIST, GenerateSetup, accelerator_like_options,
+from s2d_jax.decode.aot import (CPU_NO_HOIST, GenerateSetup, accelerator_like_options,
                          compile_generate, device_memory_bytes, format_report, memory_report)
 from s2d_jax.config import ModelConfig
-from s2d_jax.distributed import build_mesh
+from s2d_jax.parallel.multihost import build_mesh
 from s2d_jax.errors import S2DError
-from s2d_jax.sharding import MeshConfig
+from s2d_jax.parallel.mesh import MeshConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30

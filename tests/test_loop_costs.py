@@ -3,8 +3,8 @@ also timed with one draft step per round, and those rounds really run one step."
 
 import jax
 
-from s2d_jax import engine
-from s2d_jax.loop_costs import ONE_STEP, LoopProbe
+from s2d_jax.decode import engine
+from s2d_jax.bench.loop_costs import ONE_STEP, LoopProbe
 from test_engine import make_decoder
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
-from s2d_jax.kvcache import init_cache
-from s2d_jax.model import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
+from s2d_jax.model.kvcache import init_cache
+from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
                            run_layers)
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from s2d_jax.distributed import maybe_initialize_distributed, parse_mesh
+from s2d_jax.parallel.multihost import maybe_initialize_distributed, parse_mesh
 from s2d_jax.errors import S2DError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s2d_jax import model
+from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.quantize import (QuantizedWeight, _pack_int4, _unpack_int4, params_nbytes,
+from s2d_jax.model.quantize import (QuantizedWeight, _pack_int4, _unpack_int4, params_nbytes,
                               quantize_params, quantize_weight)
 from tiny_models import numpy_params
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from s2d_jax.sampling import (SamplingParams, confidence, filter_top_k, filter_top_p,
+from s2d_jax.decode.sampling import (SamplingParams, confidence, filter_top_k, filter_top_p,
                               probs_from_logits, speculative_verify)
 
 

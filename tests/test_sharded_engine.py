@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from s2d_jax import engine, model
-from s2d_jax.aot import addressable_bytes, param_gathers, serving_report
+from s2d_jax.decode import engine
+from s2d_jax.model import transformer as model
+from s2d_jax.decode.aot import param_gathers, serving_report
+from s2d_jax.model.transformer import param_shardings
+from s2d_jax.parallel.memory import addressable_bytes, tree_bytes, tree_bytes_per_device
 from s2d_jax.config import ModelConfig
-from s2d_jax.distributed import (build_mesh, param_shardings, parse_mesh, tree_bytes,
-                                 tree_bytes_per_device)
-from s2d_jax.engine_state import DecodeParams, SpecConfig
+from s2d_jax.parallel.multihost import build_mesh, parse_mesh
+from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.serving import Engine, TargetSpec
-from s2d_jax.sharding import MeshConfig
+from s2d_jax.decode.serving import Engine, TargetSpec
+from s2d_jax.parallel.mesh import MeshConfig
 
 # 16 query heads over 8 kv heads: both divisible by tensor=8 and tensor=4.
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -208,7 +210,7 @@ def hf_models(tmp_path_factory):
     """A tiny HF target (8 heads, 8 kv heads, Llama-2 vocabulary) and its 2-layer draft."""
     import os
 
-    from s2d_jax.hf import export_hf
+    from s2d_jax.io.hf import export_hf
     tok = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "assets", "llama2_tokenizer")
     tok = tok if os.path.isdir(tok) else "/work/shared/data/llama2_tokenizer"
@@ -251,7 +253,7 @@ def test_generate_cli_with_a_mesh_prints_the_single_device_tokens(hf_models, tmp
 
 
 def test_a_sharded_target_is_restored_shard_by_shard_from_orbax(tmp_path):
-    from s2d_jax.checkpoint import load_model, save_params
+    from s2d_jax.io.checkpoint import load_model, save_params
     host = host_params()[1]
     save_params(str(tmp_path / "ckpt"), host, CFG)
     mesh = build_mesh(MeshConfig(data=2, tensor=4), {"target": CFG})

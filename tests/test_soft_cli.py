@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
-from s2d_jax import model
+from s2d_jax.model import transformer as model
 from s2d_jax.errors import S2DError
-from s2d_jax.hf import export_hf
-from s2d_jax.sharding import MeshConfig
-from s2d_jax.train_config import load_train_config
-from s2d_jax.sharding import make_mesh
-from s2d_jax.trainer import initial_params, resolve_draft, train
+from s2d_jax.io.hf import export_hf
+from s2d_jax.parallel.mesh import MeshConfig
+from s2d_jax.train.config import load_train_config
+from s2d_jax.parallel.mesh import make_mesh
+from s2d_jax.train.loop import initial_params, resolve_draft, train
 from train import soft
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s2d_jax import model
+from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.sorted_draft import (DraftConfig, multi_exit_hidden, multi_exit_logits, soft_loss,
+from s2d_jax.model.sorted_draft import (DraftConfig, multi_exit_hidden, multi_exit_logits, soft_loss,
                                   validate_exits)
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from s2d_jax import theory
+from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
 
 

@@ -8,7 +8,7 @@ import pytest
 import sentencepiece as spm
 
 from s2d_jax.errors import S2DError
-from s2d_jax.tokenizer import load_tokenizer
+from s2d_jax.io.tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "assets", "llama2_tokenizer")

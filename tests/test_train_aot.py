@@ -8,8 +8,8 @@ import jax
 import pytest
 
 from s2d_jax.config import ModelConfig
-from s2d_jax.train_config import load_train_config
-from s2d_jax.trainer import compile_step_aot
+from s2d_jax.train.config import load_train_config
+from s2d_jax.train.loop import compile_step_aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

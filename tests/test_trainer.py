@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from s2d_jax.train_config import load_train_config
-from s2d_jax.trainer import train
+from s2d_jax.train.config import load_train_config
+from s2d_jax.train.loop import train
 
 TINY_MODEL = """\
 vocab_size: 64

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax import model
+from s2d_jax.model import transformer as model
 
 
 def numpy_params(cfg, seed=0, std=0.05):

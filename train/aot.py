@@ -43,8 +43,8 @@ def main(argv=None):
     import jax
 
     from s2d_jax.config import load_model_config
-    from s2d_jax.train_config import load_train_config
-    from s2d_jax.trainer import _with_dtypes, compile_step_aot, draft_of_target
+    from s2d_jax.train.config import load_train_config
+    from s2d_jax.train.loop import _with_dtypes, compile_step_aot, draft_of_target
 
     tc = load_train_config(args.config, args.overrides)
     target = args.target or tc.model.path

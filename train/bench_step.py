@@ -36,14 +36,14 @@ def main(argv=None):
     import numpy as np
 
     from s2d_jax.config import ModelConfig, load_model_config
-    from s2d_jax.sharding import MeshConfig
-    from s2d_jax.sorted_draft import validate_exits
-    from s2d_jax.train_config import OptimizerConfig
-    from s2d_jax.train_data import SyntheticIterator
-    from s2d_jax.sharding import make_mesh
-    from s2d_jax.train_step import (global_batch, make_init_fn, make_optimizer,
+    from s2d_jax.parallel.mesh import MeshConfig
+    from s2d_jax.model.sorted_draft import validate_exits
+    from s2d_jax.train.config import OptimizerConfig
+    from s2d_jax.train.data import SyntheticIterator
+    from s2d_jax.parallel.mesh import make_mesh
+    from s2d_jax.train.step import (global_batch, make_init_fn, make_optimizer,
                                     make_train_step, state_shardings)
-    from s2d_jax.trainer import initial_params
+    from s2d_jax.train.loop import initial_params
 
     cfg = (load_model_config(args.model) if args.model else
            ModelConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_layers=12,

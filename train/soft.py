@@ -23,8 +23,8 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
 
-    from s2d_jax.train_config import load_train_config
-    from s2d_jax.trainer import train
+    from s2d_jax.train.config import load_train_config
+    from s2d_jax.train.loop import train
 
     tc = load_train_config(args.config, args.overrides)
     out = train(tc, progress=not args.no_progress)

@@ -1,0 +1,59 @@
+"""Build the demo model family (tokenizer, targets demo-s/m/l, sorted draft) on CPU.
+
+    python -m examples.demo_family.build --out models/demo [--smoke] [--overwrite]
+                                [--stage tokenizer|targets|mixture|draft|eval|all]
+                                [--sizes s,m,l]
+
+Trains on data/tinyshakespeare.txt (first 90% of its paragraphs; the last 10% are held
+out and give data/demo_questions.jsonl, the benchmark's prompts, and the disjoint
+data/demo_calibration.jsonl, the dev prompts of python -m infer.calibrate). Scratch files
+go to --run-dir. --smoke runs the
+same pipeline on a small slice with shrunk models and 3 steps per model (seconds), and
+writes its prompts inside --run-dir instead of data/.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from s2d_jax.errors import cli_main
+
+
+@cli_main
+def main(argv=None):
+    from examples.demo_family.pipeline import STAGES, FamilyPaths, SmokeSettings, build_family
+
+    p = argparse.ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output dir of the HF model dirs (models/demo)")
+    p.add_argument("--stage", choices=STAGES, default="all")
+    p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    p.add_argument("--sizes", default="s,m,l",
+                   help="targets the targets stage trains (e.g. s,m after changing their "
+                        "configs; the other stages use all three)")
+    p.add_argument("--smoke", action="store_true", help="tiny, fast run of the whole pipeline")
+    p.add_argument("--run-dir", default=None,
+                   help="scratch dir (default runs/demo_family, or <out>/run with --smoke)")
+    p.add_argument("--corpus", default="data/tinyshakespeare.txt")
+    p.add_argument("--questions", default=None,
+                   help="prompt file to write (default data/demo_questions.jsonl, or "
+                        "<run-dir>/demo_questions.jsonl with --smoke)")
+    p.add_argument("--configs", default="configs", help="dir holding models/ and train/")
+    args = p.parse_args(argv)
+
+    import os
+    run_dir = args.run_dir or (os.path.join(args.out, "run") if args.smoke
+                               else os.path.join("runs", "demo_family"))
+    questions = args.questions or (os.path.join(run_dir, "demo_questions.jsonl") if args.smoke
+                                   else os.path.join("data", "demo_questions.jsonl"))
+    calibration = os.path.join(os.path.dirname(questions), "demo_calibration.jsonl")
+    paths = FamilyPaths(out=args.out, run_dir=run_dir, corpus=args.corpus, questions=questions,
+                        calibration=calibration,
+                        model_configs=os.path.join(args.configs, "models"),
+                        train_configs=os.path.join(args.configs, "train"))
+    build_family(paths, args.stage, args.overwrite, SmokeSettings() if args.smoke else None,
+                 sizes=tuple(s.strip() for s in args.sizes.split(",") if s.strip()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Per-call costs of a chain's levels, timed inside one jitted loop.
+
+The insertion rule (theory.py, Lemma 3.1 / Theorem 3.2 forms) needs the cost of one call
+of each level: a target or intermediate forward + verification over a catch-up window and
+a block, and one draft step stopping at each exit. Timing each call as its own jitted
+call (one dispatch, a cache handed back and forth) made them 10-50% dearer than the same
+call inside the engine's while loop, and the chain predictions missed by as much. Here a
+`lax.fori_loop` runs the call `n` times on a carried cache in one program (the way the
+engine runs it), and a probe takes (median T(n calls) - median T(0 calls)) / n: the empty
+run removes dispatch and the copies of the arguments.
+
+Like loop_costs.LoopProbe, a CallProbe compiles once, is `sample()`d between the
+benchmark's prompts (so costs and runs see the same machine) and gives `result()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from s2d_jax.model import transformer as model
+from s2d_jax.decode.drafting import draft_token, with_exit_segments
+from s2d_jax.errors import S2DError
+from s2d_jax.model.kvcache import init_cache
+from s2d_jax.bench.loop_costs import forced_exit_thresholds
+from s2d_jax.decode.sampling import SamplingParams, probs_from_logits, speculative_verify
+
+CALLS = 24  # calls per timed loop: long enough to dwarf the dispatch, short for the probes
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def _verify_loop(params, cache, toks, pos, q, key, sp, n, *, cfg, window):
+    """n verification calls as chain.verify_block makes them (forward over window + block,
+    distributions, the accept rule); each call depends on the cache the last one wrote."""
+    def body(i, carry):
+        cache, acc = carry
+        logits, cache = model.forward(params, cfg, toks, pos, cache)
+        p = probs_from_logits(logits[:, window - 1:], sp)
+        k, nxt = speculative_verify(jax.random.fold_in(key, i), toks[:, window:], q, p,
+                                    greedy=sp.greedy)
+        return cache, acc + k[0] + nxt[0]
+
+    return jax.lax.fori_loop(0, n, body, (cache, jnp.int32(0)))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "exits", "conf_kind", "kv_fill"))
+def _draft_loop(params, cache, tok, pos, key, sp, thresholds, n, *, cfg, exits, conf_kind,
+                kv_fill):
+    """n draft steps (drafting.draft_token, one fed token each) on the engine's pre-sliced
+    exit segments; the token each step drafts is the next step's input."""
+    params = with_exit_segments(params, exits)
+
+    def body(i, carry):
+        cache, prev = carry
+        d, _, _, _, cache = draft_token(params, cfg, cache, prev[:, None], pos + i,
+                                        jax.random.fold_in(key, i), sp, thresholds, exits,
+                                        conf_kind, kv_fill)
+        return cache, d
+
+    return jax.lax.fori_loop(0, n, body, (cache, tok))[1]
+
+
+class CallProbe:
+    """One call kind, compiled; `sample()` times a loop of 0 and of CALLS calls."""
+
+    def __init__(self, loop, args: tuple, calls: int = CALLS):
+        self.loop, self.args, self.calls = loop, args, calls
+        jax.block_until_ready(loop(*args, jnp.int32(1)))  # compile (n is traced)
+        self.times = {0: [], calls: []}
+
+    def sample(self) -> None:
+        for n in self.times:
+            t0 = time.perf_counter()
+            jax.block_until_ready(self.loop(*self.args, jnp.int32(n)))
+            self.times[n].append(time.perf_counter() - t0)
+
+    def result(self) -> float:
+        if not self.times[0]:
+            raise S2DError("CallProbe.result() before any sample(); call sample() first")
+        med = statistics.median
+        return max((med(self.times[self.calls]) - med(self.times[0])) / self.calls, 1e-9)
+
+
+def verify_probe(params, cfg, *, window: int, block: int, start: int, max_len: int,
+                 temperature: float = 0.0) -> CallProbe:
+    """Cost of one call of a level scoring `block` proposed tokens after a catch-up window
+    of `window` tokens (block 0, window 1: one autoregressive step), on a cache of the
+    benchmark's length (attention covers the whole buffer, so only the shapes and greedy
+    vs sampling, a different program, matter; not the token values)."""
+    width = window + block
+    start = max(0, min(start, max_len - width))
+    pos = (start + jnp.arange(width, dtype=jnp.int32))[None, :]
+    q = jnp.full((1, block, cfg.vocab_size), 1.0 / cfg.vocab_size, jnp.float32)
+    args = (params, init_cache(cfg, 1, max_len), jnp.ones((1, width), jnp.int32), pos, q,
+            jax.random.key(0), SamplingParams.make(temperature))
+    return CallProbe(functools.partial(_verify_loop, cfg=cfg, window=window), args)
+
+
+def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,
+                      temperature: float = 0.0, conf_kind: str = "max_prob",
+                      kv_fill: str = "calm") -> list[CallProbe]:
+    """One probe per exit j: a draft step of the sorted draft with `exits` forced to stop
+    at exit j (thresholds are traced: one compilation serves every exit)."""
+    exits = tuple(int(e) for e in exits)
+    cfg = dataclasses.replace(cfg, num_layers=exits[-1])  # the engine's draft cache
+    start = max(0, min(start, max_len - CALLS - 1))
+    loop = functools.partial(_draft_loop, cfg=cfg, exits=exits, conf_kind=conf_kind,
+                             kv_fill=kv_fill)
+    probes = []
+    for j in range(len(exits)):
+        th = jnp.asarray(forced_exit_thresholds(len(exits), j), jnp.float32)
+        args = (params, init_cache(cfg, 1, max_len), jnp.ones((1,), jnp.int32),
+                jnp.full((1, 1), start, jnp.int32), jax.random.key(0),
+                SamplingParams.make(temperature), th)
+        probes.append(CallProbe(loop, args))
+    return probes
+

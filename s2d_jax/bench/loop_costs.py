@@ -1,0 +1,127 @@
+"""Per-round costs measured inside the engine's own decode loop.
+
+Timing the draft and verify phases as separately jitted calls (serving.measure_time_split)
+adds what the loop never pays: a dispatch per call and copies of the undonated state. On
+the demo targets (a decode step of 0.5-6 ms) that inflates costs by up to half and the
+speedup prediction goes wrong. Here the compiled prefill and round loop
+(engine.prefill / engine.decode_chunk, the very programs a generation runs) are timed:
+
+  prefill_s  one prefill (target and draft over the prompt, first token)
+  round_s    (median T(K rounds) - median T(0 rounds)) / K from the same post-prefill
+             state, K as many rounds as the generation's buffer holds (<= 48): the empty
+             call takes out the dispatch and the loop's setup.
+
+Three things made earlier versions of this probe miss by up to 40%, each measured here:
+  - The buffer length sets the cost of every step (attention and cache updates run over
+    the whole static buffer): a 128-slot probe timed target-s's AR step at 0.45 ms where
+    the benchmark's 256-slot generations pay 0.73 ms. Probes use the generation's max_len.
+  - A difference of two minima, (min T(2K) - min T(K)) / K, is noisy on a shared 2-core
+    machine (it once put an exit-1, gamma-2 round of target-s below an AR step).
+  - Timing after the benchmark instead of during it: machine speed drifts. bench.py calls
+    `sample()` of every probe after each prompt's runs, so probes and runs see the same
+    machine, and medians compare with the runs' averages.
+
+Thresholds are traced, so forcing every drafted token to stop at exit j (threshold 0 at j,
+1 before it) reuses one compilation per method; a two-level round costs the same whatever
+is accepted (shapes are static), so K rounds of any text give the per-round cost.
+
+With a dynamic draft length (the decoder's stop_threshold > 0) a round runs between 1 and
+gamma draft steps (a step no row needs is skipped). Such a decoder is also timed with one
+draft step per round (a stop threshold no confidence reaches): `one_step_round_s`, per
+forced exit; a round of beta steps costs R1 + (beta - 1) / (gamma - 1) * (R - R1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from s2d_jax.decode import engine
+from s2d_jax.errors import S2DError
+
+MAX_ROUNDS = 48
+ONE_STEP = 1.5  # a draft stop threshold above any confidence: one draft step per round
+
+
+def forced_exit_thresholds(num_exits: int, j: int) -> list[float]:
+    """Thresholds that make every drafted token stop at exit j (1 = never stop here)."""
+    return [1.0] * j + [0.0] * (num_exits - j)
+
+
+class LoopProbe:
+    """The compiled prefill and round loop of one decoder, timed per forced exit.
+
+    Construct (compiles), call `sample()` any number of times (one timed trial of each
+    forced exit: prefill, 0 rounds, K rounds), then `result()`.
+    """
+
+    def __init__(self, decoder, prompt: list[int], *, max_len: int | None = None,
+                 temperature: float = 0.0, rounds: int = MAX_ROUNDS):
+        self.decoder = decoder
+        span = decoder.spec_base.round_span
+        _, arr, _ = decoder.prepare([prompt], 1, None)
+        width = arr.shape[1]
+        if max_len is None:  # room for `rounds` rounds that each add a whole block
+            max_len = -(-(width + rounds * span + 2 + span) // 64) * 64
+        rounds = min(rounds, (max_len - width - span - 2) // span)
+        if rounds < 2:
+            raise S2DError(f"a buffer of {max_len} tokens leaves no room to time rounds of "
+                           f"{span} tokens after a {width}-token prompt; raise max_len")
+        self.rounds = rounds
+        new = max_len - width - 1  # no row runs out of budget before the buffer
+        spec, self.arr, self.lens = decoder.prepare([prompt], new, max_len)
+        self.spec = spec
+        kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
+                  mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
+        stops = [0.0] + ([ONE_STEP] if decoder.stop_threshold > 0 else [])
+        self.dps = [decoder.decode_params(
+            spec, forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None,
+            temperature=temperature, max_new_tokens=new, eos_id=-1, stop_threshold=stop)
+            for stop in stops for j in range(max(spec.num_exits, 1))]
+        args = self._prefill_args(self.dps[0])
+        self.first = engine.prefill.lower(*args, **kw).compile()
+        state_shape = jax.eval_shape(lambda: self.first(*args))
+        self.chunk = engine.decode_chunk.lower(state_shape, *self._loop_args(self.dps[0], rounds),
+                                               **kw).compile()
+        self.prefill_s = []
+        self.times = [{0: [], rounds: []} for _ in self.dps]
+
+    def _prefill_args(self, dp):
+        d = self.decoder
+        return (d.draft_params, d.target_params, self.arr, self.lens, dp, jax.random.key(0),
+                d.mid_params)
+
+    def _loop_args(self, dp, k):
+        d = self.decoder
+        return (d.draft_params, d.target_params, dp, jnp.int32(k), d.mid_params)
+
+    def sample(self) -> None:
+        for dp, times in zip(self.dps, self.times):
+            args = self._prefill_args(dp)
+            t0 = time.perf_counter()
+            state = jax.block_until_ready(self.first(*args))
+            self.prefill_s.append(time.perf_counter() - t0)
+            for k in times:
+                s = jax.block_until_ready(jax.tree.map(jnp.copy, state))  # chunk donates it
+                t0 = time.perf_counter()
+                s = jax.block_until_ready(self.chunk(s, *self._loop_args(dp, k)))
+                times[k].append(time.perf_counter() - t0)
+                if k and (bool(s.done[0]) or int(s.round) != k):
+                    raise S2DError(f"cost measurement ended after {int(s.round)} of {k} "
+                                   f"rounds; the buffer of {self.spec.max_len} is too short")
+
+    def result(self) -> dict:
+        """{"prefill_s", "round_s": [per forced exit], ...}: medians over the samples."""
+        if not self.prefill_s:
+            raise S2DError("LoopProbe.result() before any sample(); call sample() first")
+        k, med = self.rounds, statistics.median
+        per_round = [max((med(t[k]) - med(t[0])) / k, 1e-9) for t in self.times]
+        m = max(self.spec.num_exits, 1)
+        out = {"prefill_s": med(self.prefill_s), "round_s": per_round[:m], "rounds": k,
+               "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
+        if len(per_round) > m:
+            out["one_step_round_s"] = per_round[m:]
+        return out

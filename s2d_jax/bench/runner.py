@@ -1,0 +1,307 @@
+"""Spec-Bench-style benchmark: every method on the same prompts, interleaved per prompt.
+
+For each target: AR, SD with each single draft exit, self-speculation (the target's first
+k layers), S2D with calibrated thresholds (from the target's s2d_serving.json) and S2D
+with the paper's 0.5 / 0.5 / 0. Every prompt runs every method back to back (in an order
+rotated per prompt) after one warm-up generation per method, so slow phases of a shared
+machine hit all methods alike; compilation is excluded from tokens/s and reported apart.
+Predicted speedups come from theory.py with round costs timed inside the engine's decode
+loop per forced exit (loop_costs.py), sampled after every prompt so that costs and runs
+see the same machine; the engine's separately timed draft and verify phases
+(`phase_costs`) are reported too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from s2d_jax.bench import theory
+from s2d_jax.errors import S2DError
+from s2d_jax.decode.serving import Decoder, measure_time_split
+
+PAPER_THRESHOLD = 0.5
+METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal")
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    label: str
+    method: str  # engine method: ar / sd / self / s2d
+    exits: tuple[int, ...] = ()
+    thresholds: tuple[float, ...] | None = None
+    gamma: int = 4
+    stop: float = 0.0  # dynamic draft length: stop drafting below this confidence (0 = off)
+
+
+def paper_thresholds(num_exits: int) -> list[float]:
+    return [PAPER_THRESHOLD] * (num_exits - 1) + [0.0]
+
+
+def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: int | None,
+                 gamma: int, calibrated: dict | None) -> tuple[list[MethodSpec], list[str]]:
+    """Expand method kinds into concrete runs -> (specs, notes about skipped ones)."""
+    unknown = [k for k in kinds if k not in METHOD_KINDS]
+    if unknown:
+        raise S2DError(f"unknown method {unknown[0]!r}; use some of {', '.join(METHOD_KINDS)}")
+    specs, notes = [], []
+    exits = tuple(int(e) for e in draft_exits)
+    for kind in kinds:
+        if kind == "ar":
+            specs.append(MethodSpec("ar", "ar", gamma=0))
+        elif kind == "sd":
+            specs += [MethodSpec(f"sd@{e}", "sd", (e,), (0.0,), gamma) for e in exits]
+        elif kind == "self":
+            if self_exit is None:
+                notes.append("self skipped: the target is too shallow for an early exit")
+            else:
+                specs.append(MethodSpec(f"self@{self_exit}", "self", (self_exit,), (0.0,), gamma))
+        elif kind == "s2d":
+            specs.append(MethodSpec("s2d-0.5", "s2d", exits,
+                                    tuple(paper_thresholds(len(exits))), gamma))
+        elif calibrated is None:
+            notes.append("s2d-cal skipped: no s2d_serving.json in the target dir "
+                         "(run python -m infer.calibrate)")
+        else:
+            th = tuple(float(t) for t in calibrated["thresholds"])
+            cal_exits = tuple(int(e) for e in calibrated.get("exits") or exits)
+            if len(th) != len(cal_exits) or not set(cal_exits) <= set(exits):
+                notes.append(f"s2d-cal skipped: s2d_serving.json (exits {list(cal_exits)}, "
+                             f"{len(th)} thresholds) does not fit the draft's exits "
+                             f"{list(exits)}; recalibrate for this draft")
+            else:
+                specs.append(MethodSpec("s2d-cal", "s2d", cal_exits, th,
+                                        int(calibrated.get("gamma", gamma)),
+                                        float(calibrated.get("stop_threshold", 0.0))))
+    return specs, notes
+
+
+class PaddedDecoder(Decoder):
+    """A Decoder whose prompts are padded to one fixed width, so one compilation serves
+    every prompt of a benchmark (Decoder.prepare buckets by 16 tokens otherwise)."""
+
+    def __init__(self, *args, prompt_width: int, **kw):
+        super().__init__(*args, **kw)
+        self.prompt_width = prompt_width
+
+    def prepare(self, prompts, max_new_tokens, max_len=None):
+        spec, arr, lens = super().prepare(prompts, max_new_tokens, max_len)
+        pad = self.prompt_width - arr.shape[1]
+        if pad > 0:
+            arr = jnp.pad(arr, ((0, 0), (0, pad)))
+        return spec, arr, lens
+
+
+def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
+                   prompt_width: int, tokenizer=None, draft_tokenizer=None) -> dict:
+    out = {}
+    for s in specs:
+        out[s.label] = PaddedDecoder(
+            target_cfg, target_params, method=s.method, draft_cfg=draft_cfg,
+            draft_params=draft_params, exits=s.exits, gamma=max(s.gamma, 1),
+            thresholds=list(s.thresholds) if s.thresholds else None,
+            target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+            prompt_width=prompt_width, stop_threshold=s.stop)
+    return out
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequence[float],
+               max_new_tokens: int, max_len: int, eos_id: int, repeats: int = 1,
+               progress: Callable | None = None, between: Callable | None = None) -> dict:
+    """-> {temperature: {label: [per-prompt result]}} plus compile seconds per label.
+    `between()` runs after each prompt's runs (the cost probes' samples, cost_probes).
+
+    Per prompt result: token_ids, seconds (median over repeats), stats of the last repeat.
+    Repeats are whole passes over the prompts (every method of every prompt, then again),
+    not runs back to back: the machine has slow spells of several seconds (a greedy AR run
+    of target-l once took 2.1 s instead of 0.62 s on both of two back-to-back repeats, and
+    one prompt's S2D run 2x its twin's on two of three repeats taken round the methods),
+    and minutes apart a spell hits one pass of a prompt, which the median drops.
+    """
+    labels = list(decoders)
+    kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id)
+    compile_s = {}
+    for label in labels:  # warm-up: compiles, and first-run effects stay out of the timings
+        out = decoders[label].generate([prompts[0]], temperature=float(temperatures[0]), **kw)
+        compile_s[label] = out[0]["stats"]["compile_seconds"]
+    n = len(prompts)
+    secs = {(float(t), label, i): [] for t in temperatures for label in labels for i in range(n)}
+    outs = {}
+    it = range(n * repeats) if progress is None else progress(range(n * repeats))
+    for k in it:
+        i = k % n
+        order = labels[k % len(labels):] + labels[:k % len(labels)]
+        for t in temperatures:
+            for label in order:
+                out = decoders[label].generate([prompts[i]], temperature=float(t), seed=i,
+                                               **kw)[0]
+                secs[(float(t), label, i)].append(out["stats"]["batch_seconds"])
+                outs[(float(t), label, i)] = out
+        if between is not None:
+            between()
+    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i)]["token_ids"],
+                                "seconds": statistics.median(secs[(float(t), label, i)]),
+                                "stats": outs[(float(t), label, i)]["stats"]}
+                               for i in range(n)] for label in labels} for t in temperatures}
+    return {"runs": runs, "compile_seconds": compile_s}
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    tokens = sum(len(r["token_ids"]) for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    rounds = sum(r["stats"]["rounds"] for r in rows)
+    round_tokens = sum(r["stats"]["mean_accepted_tokens"] * r["stats"]["rounds"] for r in rows)
+    usage = np.sum([r["stats"]["exit_usage"] for r in rows], axis=0) if rows else np.zeros(0)
+    usage = usage.tolist() if np.ndim(usage) else []
+    return {"new_tokens": tokens, "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else None,
+            "rounds": rounds,
+            "mean_accepted_tokens": round_tokens / rounds if rounds else None,
+            "exit_usage": usage,
+            "exit_usage_fraction": ([u / sum(usage) for u in usage] if usage and sum(usage)
+                                    else []),
+            "draft_steps_per_round": sum(usage) / rounds if rounds and usage else 0.0}
+
+
+def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
+                     costs: dict | None) -> dict:
+    """Per temperature and method: the report fields (see infer/bench.py)."""
+    by_label = {s.label: s for s in specs}
+    out = {}
+    for t, per_method in runs.items():
+        ar = per_method.get("ar")
+        ar_agg = _aggregate(ar) if ar else None
+        res = {}
+        for label, rows in per_method.items():
+            agg = _aggregate(rows)
+            speed = (agg["tokens_per_second"] / ar_agg["tokens_per_second"]
+                     if ar_agg and agg["tokens_per_second"] else None)
+            exact = None
+            if t == 0.0 and ar:
+                exact = float(np.mean([r["token_ids"] == a["token_ids"]
+                                       for r, a in zip(rows, ar)]))
+            per_cat = {}
+            for cat in dict.fromkeys(categories):
+                idx = [i for i, c in enumerate(categories) if c == cat]
+                c_agg = _aggregate([rows[i] for i in idx])
+                c_ar = _aggregate([ar[i] for i in idx]) if ar else None
+                per_cat[str(cat)] = {
+                    "prompts": len(idx), "tokens_per_second": c_agg["tokens_per_second"],
+                    "speedup_vs_ar": (c_agg["tokens_per_second"] / c_ar["tokens_per_second"]
+                                      if c_ar and c_agg["tokens_per_second"] else None),
+                    "mean_accepted_tokens": c_agg["mean_accepted_tokens"]}
+            entry = {**agg, "speedup_vs_ar": speed, "exact_match_vs_ar": exact,
+                     "per_category": per_cat, "method": by_label[label].method,
+                     # per prompt, for paired comparisons of two methods (same prompts)
+                     "per_prompt_tokens_per_second": [
+                         len(r["token_ids"]) / r["seconds"] if r["seconds"] > 0 else None
+                         for r in rows],
+                     "exits": list(by_label[label].exits), "gamma": by_label[label].gamma,
+                     "thresholds": (list(by_label[label].thresholds)
+                                    if by_label[label].thresholds else None),
+                     "stop_threshold": by_label[label].stop}
+            entry.update(predict(entry, costs, label, ar_agg, str(t), len(rows)))
+            res[label] = entry
+        out[str(t)] = res
+    return out
+
+
+def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None,
+            temperature: str = "0.0", prompts: int = 1) -> dict:
+    """predicted_speedup from the time model with measured costs and this run's rounds and
+    exit usage: theory.loop_speedup on in-loop round costs of the method and of AR
+    (costs["loop"], loop_costs.py) when measured, else theory.two_level on separately
+    timed phases with T_target(1) the measured AR time per token."""
+    if label == "ar":
+        return {"predicted_speedup": 1.0, "measured_over_predicted": 1.0}
+    loop = (costs or {}).get("loop", {}).get(temperature, {})
+    if label in loop and "ar" in loop and entry["rounds"]:
+        # Both sides from in-loop probes timed interleaved at the generation's buffer
+        # length (loop_costs.py): T_AR = prompts * P_AR + N * T_target(1).
+        usage = entry["exit_usage"] if any(entry["exit_usage"]) else [1.0]
+        rounds_s = loop[label]["round_s"]
+        if "one_step_round_s" in loop[label]:  # dynamic draft length: beta < gamma steps
+            rounds_s = theory.round_costs_at_steps(rounds_s, loop[label]["one_step_round_s"],
+                                                   entry["draft_steps_per_round"],
+                                                   entry["gamma"])
+        pred = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
+                                   rounds_s, usage, loop[label]["prefill_s"],
+                                   prompts=prompts, tokens=entry["new_tokens"],
+                                   rounds=entry["rounds"])
+    elif (costs is None or ar_agg is None or not ar_agg["tokens_per_second"]
+            or label not in costs.get("draft_exits", {})
+            or not entry["mean_accepted_tokens"] or not entry["draft_steps_per_round"]):
+        return {"predicted_speedup": None, "measured_over_predicted": None}
+    else:
+        pred = theory.two_level(1.0 / ar_agg["tokens_per_second"],
+                                costs["target_verify"][label], costs["draft_exits"][label],
+                                entry["exit_usage"], entry["mean_accepted_tokens"],
+                                entry["draft_steps_per_round"])
+    ratio = (entry["speedup_vs_ar"] / pred["predicted_speedup"]
+             if entry["speedup_vs_ar"] else None)
+    return {"predicted_speedup": pred["predicted_speedup"], "measured_over_predicted": ratio,
+            "predicted_round_s": pred["round_s"]}
+
+
+def phase_costs(decoder: Decoder, prompt: list[int], *, max_new_tokens: int, reps: int = 4,
+                trials: int = 3, temperature: float = 0.0) -> tuple[list[float], float]:
+    """(seconds per draft step stopping at each exit, seconds per verification of gamma + 1
+    tokens), timed on the engine's own draft and verify phases (serving.measure_time_split,
+    one jit each; thresholds are traced, so forcing each exit does not recompile). A
+    threshold of 1 never stops at an exit, 0 always does. Best of `trials` means of `reps`
+    calls: on a shared machine the minimum is the stable statistic. Greedy and sampling
+    are different programs (sampling.py), so costs are per temperature kind."""
+    m, gamma = len(decoder.spec_base.exits), decoder.spec_base.gamma
+    steps, verify = [], []
+    for j in range(m):
+        th = [1.0] * j + [0.0] * (m - j)
+        splits = [measure_time_split(decoder, [prompt], max_new_tokens=max_new_tokens,
+                                     reps=reps, thresholds=th, temperature=temperature)
+                  for _ in range(trials)]
+        steps.append(min(s["draft_s_per_round"] for s in splits) / gamma)
+        verify.append(min(s["verify_s_per_round"] for s in splits))
+    return steps, min(verify)
+
+
+def cost_probes(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
+                temperatures: Sequence[float], max_len: int) -> dict:
+    """{str(T): {label: LoopProbe}}, compiled, for every method: sample them between the
+    benchmark's prompts (run_target's `between`) so that costs and runs are timed side by
+    side, then pass them to measure_costs."""
+    from s2d_jax.bench.loop_costs import LoopProbe
+
+    return {str(float(t)): {s.label: LoopProbe(decoders[s.label], prompt, max_len=max_len,
+                                               temperature=float(t)) for s in specs}
+            for t in temperatures}
+
+
+def sample_probes(probes: dict) -> None:
+    for per_label in probes.values():
+        for probe in per_label.values():
+            probe.sample()
+
+
+def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
+                  max_new_tokens: int, probes: dict) -> dict:
+    """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}
+    (separately jitted phases, greedy: the split of a round), and "loop": {temperature:
+    {label: {"prefill_s", "round_s": [per forced exit], ...}}} from `probes` (cost_probes,
+    timed inside the decode loop at the generation's buffer length and sampled during the
+    runs; greedy and sampling are different programs), used for predictions."""
+    costs = {"draft_exits": {}, "target_verify": {}}
+    for s in specs:
+        if s.method != "ar":
+            steps, verify = phase_costs(decoders[s.label], prompt,
+                                        max_new_tokens=max_new_tokens)
+            costs["draft_exits"][s.label], costs["target_verify"][s.label] = steps, verify
+    costs["loop"] = {t: {label: p.result() for label, p in per_label.items()}
+                     for t, per_label in probes.items()}
+    return costs

@@ -1,0 +1,300 @@
+"""Host side of decoding: input checks, padding to static buckets, the multi-target Engine,
+statistics summaries and the draft/verify time split.
+
+`Decoder` = one target with its draft, method, gamma and thresholds. `Engine` = one draft
+shared by several named targets, each request routed to its target. Everything on the hot
+path is in engine.py; this file only prepares arrays and reads results back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s2d_jax.decode import engine
+from s2d_jax.parallel.mesh import with_auto_axes
+from s2d_jax.config import ModelConfig
+from s2d_jax.decode.drafting import with_exit_segments
+from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
+from s2d_jax.errors import S2DError
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _fingerprint(tok):
+    return None if tok is None else tok.fingerprint()
+
+
+class Decoder:
+    """One target + its draft under one method. Params are used as given (already placed)."""
+
+    def __init__(self, target_cfg: ModelConfig, target_params, *, method: str = "s2d",
+                 draft_cfg: ModelConfig | None = None, draft_params=None,
+                 exits: Sequence[int] | None = None, gamma: int = 4, thresholds=None,
+                 confidence: str = "max_prob", kv_fill: str = "calm", target_tokenizer=None,
+                 draft_tokenizer=None, name: str = "target", mesh=None,
+                 intermediates: Sequence[tuple[ModelConfig, object]] = (),
+                 mus: Sequence[int] | None = None, stop_threshold: float = 0.0):
+        """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
+        chain (chain.py) with accumulation lengths `mus` (default: gamma per level).
+        `stop_threshold`: the default dynamic draft length (a row stops drafting after a
+        token whose confidence is below it; 0 = always gamma tokens)."""
+        self.name, self.mesh = name, with_auto_axes(mesh)
+        self.target_cfg, self.target_params = target_cfg, target_params
+        if method == "self":
+            draft_cfg, draft_params, draft_tokenizer = target_cfg, target_params, None
+        if method in ("sd", "s2d"):
+            if draft_cfg is None or draft_params is None:
+                raise S2DError(f"method {method} needs a draft model; pass --draft")
+            if draft_cfg.vocab_size != target_cfg.vocab_size:
+                raise S2DError(
+                    f"draft vocab_size {draft_cfg.vocab_size} differs from target {name!r} "
+                    f"vocab_size {target_cfg.vocab_size}; use a draft trained for this target")
+            fp_d, fp_t = _fingerprint(draft_tokenizer), _fingerprint(target_tokenizer)
+            if fp_d is not None and fp_t is not None and fp_d != fp_t:
+                raise S2DError(f"draft tokenizer differs from target {name!r}'s tokenizer; "
+                               f"use a draft trained with the target's tokenizer")
+        if method == "ar":
+            exits = ()
+        elif not exits:
+            exits = (draft_cfg.num_layers,) if method != "self" else ()
+            if not exits:
+                raise S2DError("method self needs --exit (the number of target layers to draft with)")
+        exits = tuple(int(e) for e in exits)
+        if method != "ar" and exits and max(exits) > draft_cfg.num_layers:
+            raise S2DError(f"exit {max(exits)} is deeper than the draft's {draft_cfg.num_layers} "
+                           f"layers; pick exits <= {draft_cfg.num_layers}")
+        intermediates = tuple(intermediates)
+        mus = tuple(mus) if mus is not None else (gamma,) * len(intermediates)
+        if intermediates and method == "ar":
+            raise S2DError("method ar has no draft to chain; drop the intermediate models")
+        if len(mus) != len(intermediates):
+            raise S2DError(f"got {len(mus)} mu value(s) for {len(intermediates)} intermediate "
+                           f"model(s); pass one mu per intermediate")
+        for i, (mcfg, _) in enumerate(intermediates):
+            if mcfg.vocab_size != target_cfg.vocab_size:
+                raise S2DError(f"intermediate {i} vocab_size {mcfg.vocab_size} differs from "
+                               f"target {name!r} vocab_size {target_cfg.vocab_size}; use a "
+                               f"model with the target's tokenizer")
+        self.mid_cfgs = tuple(c for c, _ in intermediates)
+        self.mid_params = tuple(p for _, p in intermediates)
+        self.spec_base = SpecConfig(method=method, exits=exits, gamma=gamma if method != "ar" else 0,
+                                    max_len=16, confidence=confidence, kv_fill=kv_fill, mus=mus)
+        # The draft's cache only needs the layers up to the deepest exit.
+        self.draft_cfg = (None if method == "ar"
+                          else dataclasses.replace(draft_cfg, num_layers=exits[-1]))
+        self.draft_params = None if method == "ar" else draft_params
+        self.thresholds = thresholds
+        if not 0.0 <= stop_threshold <= 1.0:
+            raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got "
+                           f"{stop_threshold}")
+        self.stop_threshold = float(stop_threshold)
+        DecodeParams.make(self.spec_base, thresholds)  # validate early
+
+    @property
+    def context(self) -> int:
+        ctx = self.target_cfg.max_position_embeddings
+        if self.draft_cfg is not None:
+            ctx = min(ctx, self.draft_cfg.max_position_embeddings)
+        for mcfg in self.mid_cfgs:
+            ctx = min(ctx, mcfg.max_position_embeddings)
+        return ctx
+
+    def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                max_len: int | None = None):
+        """Check prompts and pad them to a static bucket -> (spec, prompts [B,P], lens [B])."""
+        if not prompts:
+            raise S2DError("no prompts given; pass at least one prompt")
+        V = self.target_cfg.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise S2DError(f"prompt {i} is empty; give at least one token (e.g. BOS)")
+            if min(p) < 0 or max(p) >= V:
+                raise S2DError(f"prompt {i} has token ids outside [0, {V}); wrong tokenizer?")
+        longest = max(len(p) for p in prompts)
+        gamma = self.spec_base.round_span - 1  # = gamma without intermediate levels
+        if longest + gamma + 2 > self.context:
+            raise S2DError(f"a prompt of {longest} tokens does not fit the context of "
+                           f"{self.context} tokens (with gamma {gamma}); shorten the prompt")
+        P = min(_round_up(longest, 16), self.context)
+        if max_len is None:
+            max_len = min(_round_up(P + max_new_tokens + gamma + 1, 64), self.context)
+        spec = dataclasses.replace(self.spec_base, max_len=max(max_len, P))
+        arr = np.zeros((len(prompts), P), np.int32)
+        for i, p in enumerate(prompts):
+            arr[i, :len(p)] = p
+        return spec, jnp.asarray(arr), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+    def decode_params(self, spec, thresholds=None, **kw) -> DecodeParams:
+        return DecodeParams.make(spec, self.thresholds if thresholds is None else thresholds, **kw)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 thresholds=None, eos_id: int | None = None,
+                 stop_threshold: float | None = None, max_len: int | None = None,
+                 chunk_rounds: int = 0,
+                 on_chunk: Callable[[GenState], None] | None = None) -> list[dict]:
+        """Generate for a batch of token-id prompts -> one dict per prompt (ids + stats).
+
+        chunk_rounds > 0 runs prefill, then the round loop in jitted chunks of that many
+        rounds (state donated), calling on_chunk(state) between chunks (streaming). The
+        result is identical to the single-jit path: keys depend only on the round index.
+        """
+        spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
+        eos = self.target_cfg.eos_token_id if eos_id is None else eos_id
+        if stop_threshold is None:
+            stop_threshold = self.stop_threshold
+        dp = self.decode_params(spec, thresholds, temperature=temperature, top_k=top_k,
+                                top_p=top_p, max_new_tokens=max_new_tokens, eos_id=eos,
+                                stop_threshold=stop_threshold)
+        kw = dict(draft_cfg=self.draft_cfg, target_cfg=self.target_cfg, spec=spec,
+                  mesh=self.mesh, mid_cfgs=self.mid_cfgs)
+        args = (self.draft_params, self.target_params, arr, lens, dp, jax.random.key(seed),
+                self.mid_params)
+        # Compile ahead (cached by jax per static settings and shapes) so that the reported
+        # time and tokens/s exclude compilation.
+        t0 = time.perf_counter()
+        if chunk_rounds <= 0:
+            run = engine.generate.lower(*args, **kw).compile()
+            compile_s = time.perf_counter() - t0
+            start = time.perf_counter()
+            state = run(*args)
+        else:
+            first = engine.prefill.lower(*args, **kw).compile()
+            rounds = jnp.int32(chunk_rounds)
+            loop_args = (self.draft_params, self.target_params, dp, rounds, self.mid_params)
+            chunk = engine.decode_chunk.lower(
+                jax.eval_shape(lambda: first(*args)), *loop_args, **kw).compile()
+            compile_s = time.perf_counter() - t0
+            start = time.perf_counter()
+            state = first(*args)
+            while True:
+                if on_chunk is not None:
+                    on_chunk(state)
+                if bool(jnp.all(state.done)):
+                    break
+                state = chunk(state, *loop_args)
+        state = jax.block_until_ready(state)
+        return summarize(state, time.perf_counter() - start, spec, compile_s)
+
+
+def summarize(state: GenState, seconds: float, spec: SpecConfig,
+              compile_seconds: float = 0.0) -> list[dict]:
+    """Per-row results: generated token ids and statistics (MAT counts the target's token)."""
+    s = jax.device_get(state)
+    total_new = int(np.sum(s.length - s.prompt_len))
+    out = []
+    for b in range(s.tokens.shape[0]):
+        lo, hi = int(s.prompt_len[b]), int(s.length[b])
+        rounds = int(s.rounds[b])
+        proposed = s.proposed_at[b]
+        out.append({
+            "token_ids": s.tokens[b, lo:hi].tolist(),
+            "stats": {
+                "method": spec.method, "gamma": spec.gamma, "exits": list(spec.exits),
+                "new_tokens": hi - lo,
+                "rounds": rounds,
+                # Spec-Bench MAT: tokens per target forward; the prefill's token is excluded.
+                "mean_accepted_tokens": float(s.round_tokens[b]) / max(rounds, 1),
+                "acceptance_rate_per_position": [
+                    float(a) / float(p) if p else None for a, p in zip(s.accepted_at[b], proposed)],
+                "exit_usage": s.exit_counts[b].tolist(),
+                # Chain levels k = 1 .. n-1 (n = 2: the target): acceptance of level k-1's
+                # tokens by level k, and level k's forwards.
+                "mus": list(spec.mus),
+                "level_acceptance_rate": [
+                    float(a) / float(p) if p else None
+                    for a, p in zip(s.level_accepted[b], s.level_proposed[b])],
+                "level_forwards": s.level_calls[b].tolist(),
+                "batch_seconds": seconds,  # generation only, compilation excluded
+                "compile_seconds": compile_seconds,
+                "batch_tokens_per_s": total_new / seconds if seconds > 0 else None,
+            }})
+    return out
+
+
+def measure_time_split(decoder: Decoder, prompts, *, max_new_tokens: int = 64, reps: int = 5,
+                       **decode_kw) -> dict:
+    """Draft vs verify time per round, by timing separately-jitted draft-only and
+    verify-only halves of one round on the post-prefill state (after a warm-up call).
+    Escalation depth here follows that state's tokens, so treat it as an estimate."""
+    if decoder.spec_base.method == "ar":
+        raise S2DError("method ar has no draft phase to time")
+    spec, arr, lens = decoder.prepare(prompts, max_new_tokens)
+    dp = decoder.decode_params(spec, **decode_kw)
+    kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
+              mid_cfgs=decoder.mid_cfgs)
+    state = engine.prefill(decoder.draft_params, decoder.target_params, arr, lens, dp,
+                           jax.random.key(0), decoder.mid_params, **kw)
+    draft = jax.jit(engine.draft_phase, static_argnames=("draft_cfg", "spec", "mid_cfgs"))
+    verify = jax.jit(engine.verify_phase, static_argnames=("target_cfg", "spec"))
+
+    def timed(fn):
+        jax.block_until_ready(fn())
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = jax.block_until_ready(fn())
+        return (time.perf_counter() - t) / reps, out
+
+    # As the decode loop does: exit segments sliced once, outside the timed calls.
+    draft_params = decoder.draft_params
+    if decoder.spec_base.method in ("sd", "s2d"):
+        draft_params = jax.jit(with_exit_segments, static_argnums=1)(draft_params, spec.exits)
+    t_draft, drafted = timed(lambda: draft(state, draft_params, dp, decoder.mid_params,
+                                           draft_cfg=decoder.draft_cfg, spec=spec,
+                                           mid_cfgs=decoder.mid_cfgs))
+    t_verify, _ = timed(lambda: verify(state, decoder.target_params, dp, drafted,
+                                       target_cfg=decoder.target_cfg, spec=spec))
+    return {"draft_s_per_round": t_draft, "verify_s_per_round": t_verify,
+            "draft_fraction": t_draft / (t_draft + t_verify)}
+
+
+@dataclasses.dataclass
+class TargetSpec:
+    """A named target with its own decode settings."""
+
+    cfg: ModelConfig
+    params: object
+    gamma: int = 4
+    thresholds: Sequence[float] | None = None
+    tokenizer: object = None
+    stop_threshold: float = 0.0  # dynamic draft length (Decoder), 0 = off
+
+
+class Engine:
+    """One draft, several targets: requests are routed to the named target's Decoder."""
+
+    def __init__(self, targets: dict[str, TargetSpec], *, draft_cfg: ModelConfig | None = None,
+                 draft_params=None, exits: Sequence[int] | None = None, method: str = "s2d",
+                 draft_tokenizer=None, confidence: str = "max_prob", kv_fill: str = "calm",
+                 mesh=None, intermediates=(), mus=None):
+        if not targets:
+            raise S2DError("no targets given; pass at least one --target")
+        self.decoders = {
+            name: Decoder(t.cfg, t.params, method=method, draft_cfg=draft_cfg,
+                          draft_params=draft_params, exits=exits, gamma=t.gamma,
+                          thresholds=t.thresholds, confidence=confidence, kv_fill=kv_fill,
+                          target_tokenizer=t.tokenizer, draft_tokenizer=draft_tokenizer,
+                          name=name, mesh=mesh, intermediates=intermediates, mus=mus,
+                          stop_threshold=t.stop_threshold)
+            for name, t in targets.items()}
+
+    @property
+    def target_names(self) -> list[str]:
+        return list(self.decoders)
+
+    def decoder(self, target: str) -> Decoder:
+        if target not in self.decoders:
+            raise S2DError(f"unknown target {target!r}; known targets: "
+                           f"{', '.join(self.decoders)}")
+        return self.decoders[target]
+
+    def generate(self, target: str, prompts, **kw) -> list[dict]:
+        return self.decoder(target).generate(prompts, **kw)

@@ -1,0 +1,157 @@
+"""Static decode settings, traced decode settings, and the donated generation state.
+
+Static (a change recompiles): method, exits, gamma, chain levels and their mu, buffer
+sizes, confidence kind, K/V scheme. Traced (a change never recompiles): thresholds, temperature, top-k, top-p,
+max_new_tokens, EOS id, the dynamic-draft-length stop threshold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import struct
+
+from s2d_jax.errors import S2DError
+from s2d_jax.model.kvcache import KVCache
+from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
+
+METHODS = ("ar", "sd", "self", "s2d")
+KV_FILL = ("calm", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static shape of a generation.
+
+    method: ar (target alone), sd (one fixed draft exit), self (the target's own first
+      `exits[0]` layers as draft), s2d (sorted draft with escalation over `exits`).
+    exits: draft exit depths e_1 < ... < e_m (layer counts); one exit for sd/self.
+    gamma: draft tokens per round (0 for ar).
+    max_len: cache / token buffer length per row (prompt + generated + gamma + 1 slack).
+    kv_fill: how layers skipped by an early exit get keys/values, see drafting.py.
+    mus: one accumulation length mu_k >= 1 per intermediate level of a polybasic chain
+      (draft -> intermediate_1 -> ... -> target, chain.py); () = two-level S2D.
+    """
+
+    method: str = "s2d"
+    exits: tuple[int, ...] = ()
+    gamma: int = 4
+    max_len: int = 256
+    confidence: str = "max_prob"
+    kv_fill: str = "calm"
+    mus: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise S2DError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
+        if self.confidence not in CONFIDENCE_KINDS:
+            raise S2DError(f"unknown confidence {self.confidence!r}; use one of "
+                           f"{', '.join(CONFIDENCE_KINDS)}")
+        if self.kv_fill not in KV_FILL:
+            raise S2DError(f"unknown kv_fill {self.kv_fill!r}; use one of {', '.join(KV_FILL)}")
+        mus = tuple(int(m) for m in self.mus)
+        object.__setattr__(self, "mus", mus)
+        if any(m < 1 for m in mus):
+            raise S2DError(f"chain accumulation lengths mu must be >= 1, got {list(mus)}")
+        if self.method == "ar":
+            if mus:
+                raise S2DError("method ar has no draft to chain; drop the intermediate levels")
+            if self.gamma != 0 or self.exits:
+                object.__setattr__(self, "gamma", 0)
+                object.__setattr__(self, "exits", ())
+            return
+        if self.gamma < 1:
+            raise S2DError(f"gamma must be >= 1 for method {self.method}, got {self.gamma}")
+        exits = tuple(int(e) for e in self.exits)
+        object.__setattr__(self, "exits", exits)
+        if not exits or any(e < 1 for e in exits) or list(exits) != sorted(set(exits)):
+            raise S2DError(f"exits must be increasing positive layer counts, got {exits}")
+        if self.method in ("sd", "self") and len(exits) != 1:
+            raise S2DError(f"method {self.method} uses exactly one exit (--exit), got {exits}")
+
+    @property
+    def num_exits(self) -> int:
+        return len(self.exits)
+
+    @property
+    def num_levels(self) -> int:
+        """Levels of the chain: draft, intermediates, target (ar: an empty draft level)."""
+        return 2 + len(self.mus)
+
+    def block_len(self, level: int) -> int:
+        """Static size of the block level `level` passes up: M_0 = gamma, M_k = mu_k + M_{k-1}."""
+        return self.gamma + sum(self.mus[:level])
+
+    @property
+    def round_span(self) -> int:
+        """Most tokens one round can add (and the positions the target scores)."""
+        return self.block_len(self.num_levels - 2) + 1
+
+
+@struct.dataclass
+class DecodeParams:
+    """Traced decode settings."""
+
+    sampling: SamplingParams
+    thresholds: jnp.ndarray  # f32 [num_exits]: keep exit i's token if confidence >= it (1 = never)
+    max_new_tokens: jnp.ndarray  # i32 scalar
+    eos_id: jnp.ndarray  # i32 scalar, -1 = none
+    stop_threshold: jnp.ndarray  # f32 scalar: stop drafting a row below it (0 = off)
+
+    @classmethod
+    def make(cls, spec: SpecConfig, thresholds=None, temperature=0.0, top_k=0, top_p=1.0,
+             max_new_tokens=32, eos_id=-1, stop_threshold=0.0) -> "DecodeParams":
+        m = spec.num_exits
+        if thresholds is None:
+            thresholds = [0.0] * m
+        thresholds = [float(t) for t in thresholds]
+        if len(thresholds) != m:
+            raise S2DError(f"got {len(thresholds)} threshold(s) for {m} exit(s) {spec.exits}; "
+                           f"pass one threshold per exit")
+        if any(not 0.0 <= t <= 1.0 for t in thresholds):
+            raise S2DError(f"thresholds must lie in [0, 1], got {thresholds}")
+        if temperature < 0:
+            raise S2DError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise S2DError(f"top-p must lie in (0, 1], got {top_p}")
+        if max_new_tokens < 1:
+            raise S2DError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        return cls(SamplingParams.make(temperature, top_k, top_p),
+                   jnp.asarray(thresholds, jnp.float32).reshape(m), jnp.int32(max_new_tokens),
+                   jnp.int32(eos_id), jnp.float32(stop_threshold))
+
+
+@struct.dataclass
+class GenState:
+    """Everything the round loop carries; fixed shapes, donated between jitted chunks.
+
+    Invariant between rounds: tokens[b, :length[b]] is the sequence so far (zeros after),
+    and the cache of chain level k (0 = draft, n-1 = target) holds keys/values for at least
+    the positions < length[b] - (n - k) (the target: all but the last token, fed next round;
+    the lower levels re-feed their catch-up window, chain.py).
+    """
+
+    tokens: jnp.ndarray  # i32 [B, S]
+    length: jnp.ndarray  # i32 [B]
+    prompt_len: jnp.ndarray  # i32 [B]
+    done: jnp.ndarray  # bool [B]
+    target_cache: KVCache
+    draft_cache: KVCache | None
+    key: jnp.ndarray  # PRNG key
+    round: jnp.ndarray  # i32 scalar, rounds run so far (any row)
+    # Statistics, per row.
+    rounds: jnp.ndarray  # i32 [B] rounds in which the row was active
+    round_tokens: jnp.ndarray  # i32 [B] tokens added by rounds (accepted + target's own)
+    accepted_at: jnp.ndarray  # i32 [B, gamma] draft position g accepted
+    proposed_at: jnp.ndarray  # i32 [B, gamma] draft position g proposed
+    exit_counts: jnp.ndarray  # i32 [B, num_exits] drafted tokens kept at each exit
+    # Per verifier level k = 1 .. n-1 of the chain (n = 2: just the target).
+    level_accepted: jnp.ndarray  # i32 [B, n-1] tokens level k accepted from level k-1
+    level_proposed: jnp.ndarray  # i32 [B, n-1] tokens level k-1 proposed to level k
+    level_calls: jnp.ndarray  # i32 [B, n-1] forwards of level k the row took part in
+    mid_caches: tuple = ()  # KVCache per intermediate level
+
+    @property
+    def new_tokens(self) -> jnp.ndarray:
+        return self.length - self.prompt_len

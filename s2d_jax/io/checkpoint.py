@@ -1,0 +1,227 @@
+"""Params checkpoints with orbax, and `load_model`: the one loading entry point of every CLI.
+
+A params checkpoint is a self-describing directory:
+    s2d_config.json   {"format": "s2d-jax-params", "version": 1, "model": ModelConfig fields,
+                       "extra": {...}}   (extra: e.g. a draft's "s2d_exits")
+    params/           orbax StandardCheckpointer item holding the params pytree
+    tokenizer.model, tokenizer_config.json, ...   (optional) copied from the source model
+Restoring takes target shardings, so each shard is read straight onto its devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
+from s2d_jax.errors import S2DError
+from s2d_jax.model.transformer import param_shapes
+
+SIDECAR = "s2d_config.json"
+PARAMS_ITEM = "params"
+FORMAT, VERSION = "s2d-jax-params", 1
+
+
+def normalize_dtype(dtype) -> str:
+    """'bfloat16' / jnp.bfloat16 / np.float32 ... -> one of config.DTYPES, else S2DError."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in DTYPES:
+        raise S2DError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def _make_readable(root: str) -> None:
+    """mkdtemp creates 0700 dirs; give the finished output the usual 0755/0644 modes."""
+    os.chmod(root, 0o755)
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o644)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str, overwrite: bool = False):
+    """Yield a temp dir next to `out_dir`; rename it to `out_dir` only if the block succeeds.
+
+    A failure leaves nothing at `out_dir`; an existing `out_dir` is replaced only with
+    `overwrite=True`, and only once the new one is complete.
+    """
+    out = os.path.abspath(out_dir)
+    if os.path.lexists(out) and not overwrite:
+        raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _make_readable(tmp)
+    if os.path.lexists(out):
+        old = tmp + ".old"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    else:
+        os.rename(tmp, out)
+
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+
+
+def tokenizer_files(directory: str | None, required: bool = False) -> list[str]:
+    """Paths of the tokenizer files in `directory` (checkpoints carry them along)."""
+    if directory is None:
+        return []
+    found = [os.path.join(directory, f) for f in TOKENIZER_FILES
+             if os.path.isfile(os.path.join(directory, f))]
+    if required and not has_tokenizer(directory):
+        raise S2DError(f"no tokenizer files in {directory} (expected tokenizer.model or "
+                       f"tokenizer.json); pass a tokenizer directory")
+    return found
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f))
+               for f in ("tokenizer.model", "tokenizer.json"))
+
+
+def is_params_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, SIDECAR))
+
+
+def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None = None,
+                overwrite: bool = False, tokenizer_dir: str | None = None) -> None:
+    """Write params (numpy or jax arrays, any sharding) + the config sidecar, atomically,
+    plus the tokenizer files of `tokenizer_dir` (so the dir is a complete model)."""
+    tok_files = tokenizer_files(tokenizer_dir, required=True)
+    dtype = np.dtype(params["embed"].dtype).name
+    if dtype in DTYPES:
+        cfg = dataclasses.replace(cfg, param_dtype=dtype)
+    sidecar = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg),
+               "extra": dict(extra or {})}
+    json.dumps(sidecar)  # fail before writing anything if extra is not JSON
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(tmp, PARAMS_ITEM), params)
+        ckptr.wait_until_finished()
+        ckptr.close()
+        with open(os.path.join(tmp, SIDECAR), "w") as f:
+            json.dump(sidecar, f, indent=2)
+        for path in tok_files:
+            shutil.copy2(path, tmp)
+
+
+def read_params_config(ckpt_dir: str) -> tuple[ModelConfig, dict]:
+    path = os.path.join(ckpt_dir, SIDECAR)
+    try:
+        with open(path) as f:
+            sidecar = json.load(f)
+    except FileNotFoundError:
+        raise S2DError(f"{ckpt_dir} has no {SIDECAR}; pass a dir written by save_params")
+    except json.JSONDecodeError as e:
+        raise S2DError(f"{path} is not valid JSON ({e.msg}); re-create the checkpoint")
+    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT \
+            or not isinstance(sidecar.get("model"), dict):
+        raise S2DError(f"{path} is not an s2d-jax params sidecar; re-create the checkpoint")
+    return build(ModelConfig, sidecar["model"], "model"), dict(sidecar.get("extra") or {})
+
+
+def restore_params(ckpt_dir: str, num_layers: int | None = None, dtype=None, shardings=None,
+                   host: bool = False) -> tuple[ModelConfig, dict, dict]:
+    """(cfg, params, extra) from a params checkpoint.
+
+    `shardings`: params-shaped tree of Shardings (or ShapeDtypeStructs with `.sharding`) for
+    the returned cfg; default: one local device, or numpy arrays if `host`. `num_layers`
+    reads only the first N layers; `dtype` casts (and sets cfg.dtype and param_dtype).
+    """
+    cfg, extra = read_params_config(ckpt_dir)
+    item = os.path.join(os.path.abspath(ckpt_dir), PARAMS_ITEM)
+    ckptr = ocp.StandardCheckpointer()
+    try:
+        stored = ckptr.metadata(item).item_metadata.tree
+    except Exception as e:  # orbax raises assorted types for a missing/damaged item
+        raise S2DError(f"cannot read the params in {item} ({type(e).__name__}); "
+                       f"re-create the checkpoint")
+    want = param_shapes(cfg)
+    stored_shapes = jax.tree.map(lambda m: tuple(m.shape), stored)
+    if stored_shapes != want:  # plain nested dicts of tuples: structure and shapes
+        raise S2DError(f"params in {ckpt_dir} do not match its {SIDECAR} (shapes differ); "
+                       f"re-create the checkpoint")
+    if num_layers is not None:
+        if not 1 <= num_layers <= cfg.num_layers:
+            raise S2DError(f"num_layers={num_layers} is outside 1..{cfg.num_layers} "
+                           f"(the layers in {ckpt_dir})")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    if dtype is not None:
+        dtype = normalize_dtype(dtype)
+        cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+    shapes = param_shapes(cfg)
+    if host or shardings is None:
+        # host: the CPU backend (present on every host) so numpy views need no copy
+        device = jax.local_devices(backend="cpu")[0] if host else jax.local_devices()[0]
+        shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes,
+                                 is_leaf=_is_shape)
+
+    def target(shape, meta, sharding):
+        sharding = getattr(sharding, "sharding", sharding)
+        return jax.ShapeDtypeStruct(shape, dtype or meta.dtype, sharding=sharding)
+
+    abstract = jax.tree.map(target, shapes, stored, shardings, is_leaf=_is_shape)
+    # strict=False lets the layer axis be truncated; all other shapes were checked above.
+    params = ckptr.restore(item, abstract, strict=num_layers is None)
+    ckptr.close()
+    if host:
+        params = jax.tree.map(np.asarray, params)
+    return cfg, params, extra
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=None
+               ) -> tuple[ModelConfig, dict, dict]:
+    """(cfg, params, extra) from an HF model dir or a params checkpoint dir.
+
+    num_layers: keep the first N decoder layers (draft init from a target). dtype: cast the
+    params and use it as compute dtype too (cfg.dtype = cfg.param_dtype = dtype); default
+    keeps the stored dtype. shardings: params-shaped tree of Shardings for the returned cfg
+    (e.g. `logical_to_sharding(param_axes(cfg), mesh)`); default one local device.
+    extra: non-ModelConfig settings such as a draft's `s2d_exits`.
+    """
+    from s2d_jax.io import hf  # hf imports this module (atomic_output_dir
+
+    if not os.path.isdir(path):
+        raise S2DError(f"model path {path} is not a directory; pass an HF model dir or a "
+                       f"checkpoint written by `python -m infer.convert hf-to-orbax`")
+    if is_params_checkpoint(path):
+        return restore_params(path, num_layers, dtype, shardings)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return hf.load_hf(path, num_layers, dtype, shardings)
+    raise S2DError(f"{path} holds neither {SIDECAR} (params checkpoint) nor config.json "
+                   f"(HF model); pass a model directory")
+
+
+def stored_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a params checkpoint or HF dir, without reading any weight."""
+    if not os.path.isdir(path):
+        raise S2DError(f"model path {path} is not a directory; pass an HF model dir or a "
+                       f"checkpoint written by `python -m infer.convert hf-to-orbax`")
+    if is_params_checkpoint(path):
+        return read_params_config(path)[0]
+    return read_hf_config(path)

@@ -1,0 +1,289 @@
+"""HF `LlamaForCausalLM` checkpoints <-> s2d-jax params, both ways, one tensor at a time.
+
+`NAME_MAP` is the whole correspondence: one row per parameter, naming the HF tensor and
+saying whether it is a linear weight (HF stores `[out, in]`; we store `[in..., out...]`
+with heads split out). Loading fills each preallocated stacked `[L, ...]` host array
+layer by layer from memory-mapped files (`hf_files.py`), so a 70B conversion never holds
+two copies; exporting walks the same rows backwards, writing one shard at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from typing import Iterator
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from s2d_jax.io.checkpoint import atomic_output_dir, normalize_dtype, tokenizer_files
+from s2d_jax.config import ModelConfig, read_hf_config
+from s2d_jax.errors import S2DError
+from s2d_jax.io.hf_files import WeightSource, write_safetensors
+from s2d_jax.model.transformer import param_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    ours: str  # path in the params dict, "/"-separated ("layers/wq")
+    hf: str  # HF state-dict name; "{i}" is the layer index of a stacked param
+    n_in: int | None  # linear weight: number of leading input axes in our layout; None: same
+
+    @property
+    def stacked(self) -> bool:
+        return "{i}" in self.hf
+
+
+NAME_MAP = (
+    TensorMap("embed", "model.embed_tokens.weight", None),
+    TensorMap("layers/attn_norm", "model.layers.{i}.input_layernorm.weight", None),
+    TensorMap("layers/wq", "model.layers.{i}.self_attn.q_proj.weight", 1),
+    TensorMap("layers/wk", "model.layers.{i}.self_attn.k_proj.weight", 1),
+    TensorMap("layers/wv", "model.layers.{i}.self_attn.v_proj.weight", 1),
+    TensorMap("layers/wo", "model.layers.{i}.self_attn.o_proj.weight", 2),
+    TensorMap("layers/mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", None),
+    TensorMap("layers/w_gate", "model.layers.{i}.mlp.gate_proj.weight", 1),
+    TensorMap("layers/w_up", "model.layers.{i}.mlp.up_proj.weight", 1),
+    TensorMap("layers/w_down", "model.layers.{i}.mlp.down_proj.weight", 1),
+    TensorMap("final_norm", "model.norm.weight", None),
+    TensorMap("lm_head", "lm_head.weight", 1),
+)
+# HF tensors that carry no weights we need (old checkpoints stored the rope table).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+EXTRA_PREFIX = "s2d_"  # config.json keys returned as `extra` (e.g. a draft's s2d_exits)
+
+
+def active_rows(cfg: ModelConfig) -> list[TensorMap]:
+    return [m for m in NAME_MAP if not (m.ours == "lm_head" and cfg.tie_word_embeddings)]
+
+
+def _our_shape(cfg: ModelConfig, row: TensorMap) -> tuple[int, ...]:
+    node = param_shapes(cfg)
+    for part in row.ours.split("/"):
+        node = node[part]
+    return tuple(node[1:]) if row.stacked else tuple(node)  # per layer
+
+
+def _hf_shape(our_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+    if n_in is None:
+        return our_shape
+    return (math.prod(our_shape[n_in:]), math.prod(our_shape[:n_in]))
+
+
+def to_ours(x: np.ndarray, our_shape, n_in) -> np.ndarray:
+    return x if n_in is None else x.T.reshape(our_shape)
+
+
+def to_hf(y: np.ndarray, n_in) -> np.ndarray:
+    return y if n_in is None else y.reshape(math.prod(y.shape[:n_in]), -1).T
+
+
+# --- HF dir -> params -------------------------------------------------------------------
+
+def read_hf_model_config(model_dir: str) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, extra) from an HF dir; extra = the `s2d_*` keys of config.json."""
+    if not os.path.isdir(model_dir):
+        raise S2DError(f"model directory {model_dir} does not exist; pass an HF model directory")
+    cfg = read_hf_config(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise S2DError(f"{model_dir}: hidden_act={raw['hidden_act']!r} is not supported; "
+                       f"only Llama-family models with silu MLPs")
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise S2DError(f"{model_dir}: {key}=true is not supported; only bias-free Llama models")
+    return cfg, {k: v for k, v in raw.items() if k.startswith(EXTRA_PREFIX)}
+
+
+def _check_tensors(source: WeightSource, cfg: ModelConfig, full_layers: int, model_dir: str):
+    """Fail before reading any data if a tensor is absent, unknown or of the wrong shape."""
+    needed = {r.hf.format(i=i) for r in active_rows(cfg) for i in range(cfg.num_layers)}
+    missing = sorted(needed - set(source.names()))
+    if missing:
+        raise S2DError(f"{model_dir} has no tensor {missing[0]} (of {len(missing)} missing); "
+                       f"the weights do not match config.json")
+    for row in active_rows(cfg):
+        want = _hf_shape(_our_shape(cfg, row), row.n_in)
+        for i in range(cfg.num_layers) if row.stacked else [None]:
+            name = row.hf.format(i=i)
+            if source.shape(name) != want:
+                raise S2DError(f"{model_dir}: {name} has shape {source.shape(name)} but "
+                               f"config.json implies {want}; config and weights disagree")
+    known = {r.hf.format(i=i) for r in NAME_MAP for i in range(full_layers)}
+    unknown = sorted(n for n in source.names()
+                     if n not in known and not n.endswith(_IGNORED_SUFFIXES))
+    if unknown:
+        raise S2DError(f"{model_dir} has weights a bias-free Llama cannot use (e.g. {unknown[0]}); "
+                       f"only LlamaForCausalLM checkpoints are supported")
+
+
+def iter_hf_params(model_dir: str, num_layers: int | None = None, dtype=None
+                   ) -> tuple[ModelConfig, dict, Iterator[tuple[str, np.ndarray]]]:
+    """(cfg, extra, iterator of (our "/"-path, host array)): one stacked param at a time.
+
+    `num_layers` keeps only the first N decoder layers (a draft initialised from a target);
+    `dtype` casts every tensor and becomes the compute dtype too (default: keep the
+    embedding's stored dtype, compute in float32). The returned cfg reflects both.
+    """
+    cfg, extra = read_hf_model_config(model_dir)
+    full_layers = cfg.num_layers
+    if num_layers is not None:
+        if not 1 <= num_layers <= full_layers:
+            raise S2DError(f"num_layers={num_layers} is outside 1..{full_layers} "
+                           f"(the layers in {model_dir})")
+        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    source = WeightSource(model_dir)
+    _check_tensors(source, cfg, full_layers, model_dir)
+    if dtype is None:  # keep the stored dtype, compute in cfg.dtype (float32)
+        stored = source.get("model.embed_tokens.weight").dtype
+        dtype = stored.name if stored.name in ("bfloat16", "float16") else "float32"
+        cfg = dataclasses.replace(cfg, param_dtype=dtype)
+    else:
+        dtype = normalize_dtype(dtype)
+        cfg = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype)
+
+    def generate():
+        rows = active_rows(cfg)
+        total = sum(cfg.num_layers if r.stacked else 1 for r in rows)
+        with tqdm(total=total, desc=f"load {os.path.basename(model_dir.rstrip('/'))}",
+                  unit="tensor", leave=False, disable=None) as bar:
+            for row in rows:
+                shape = _our_shape(cfg, row)
+                layers = range(cfg.num_layers) if row.stacked else [None]
+                out = np.empty(((cfg.num_layers,) if row.stacked else ()) + shape, dtype)
+                for i in layers:
+                    name = row.hf.format(i=i)
+                    x = source.get(name)  # shape checked in _check_tensors
+                    if i is None:
+                        out[...] = to_ours(x, shape, row.n_in)
+                    else:
+                        out[i] = to_ours(x, shape, row.n_in)
+                    del x
+                    bar.update()
+                yield row.ours, out
+                del out  # the consumer owns it now (on device, or kept on host)
+
+    return cfg, extra, generate()
+
+
+def set_path(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def get_path(tree: dict, path: str):
+    for p in path.split("/"):
+        tree = tree[p]
+    return tree
+
+
+def load_hf(model_dir: str, num_layers: int | None = None, dtype=None, shardings=None,
+            host: bool = False) -> tuple[ModelConfig, dict, dict]:
+    """(cfg, params, extra) from an HF dir. Each param goes to its devices as soon as it
+    is read (`shardings`: a params-shaped tree of Shardings), or stays numpy if `host`."""
+    cfg, extra, stream = iter_hf_params(model_dir, num_layers, dtype)
+    params: dict = {}
+    for path, arr in stream:
+        if not host:
+            sharding = get_path(shardings, path) if shardings is not None else None
+            sharding = getattr(sharding, "sharding", sharding)  # ShapeDtypeStruct or Sharding
+            arr = jax.device_put(arr, sharding)
+        set_path(params, path, arr)
+    return cfg, params, extra
+
+
+# --- params -> HF dir -------------------------------------------------------------------
+
+def _hf_order(cfg: ModelConfig) -> Iterator[tuple[str, TensorMap, int | None]]:
+    """(HF name, row, layer) in HF's usual order: embedding, layer by layer, norm, head."""
+    rows = active_rows(cfg)
+    yield from ((r.hf, r, None) for r in rows if r.ours == "embed")
+    for i in range(cfg.num_layers):
+        yield from ((r.hf.format(i=i), r, i) for r in rows if r.stacked)
+    yield from ((r.hf, r, None) for r in rows if r.ours in ("final_norm", "lm_head"))
+
+
+def hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, host array) one tensor at a time (a layer slice of a stacked param)."""
+    for name, row, i in _hf_order(cfg):
+        leaf = get_path(params, row.ours)
+        yield name, to_hf(np.asarray(leaf if i is None else leaf[i]), row.n_in)
+
+
+def _plan_shards(params: dict, cfg: ModelConfig, max_shard_bytes: int) -> list[list[str]]:
+    """Consecutive HF names in shards of at most max_shard_bytes (one tensor may exceed)."""
+    shards, size = [[]], 0
+    for name, row, i in _hf_order(cfg):
+        leaf = get_path(params, row.ours)
+        nbytes = math.prod(leaf.shape[1:] if row.stacked else leaf.shape) * leaf.dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _check_params(params: dict, cfg: ModelConfig) -> None:
+    for row in active_rows(cfg):
+        try:
+            shape = tuple(get_path(params, row.ours).shape)
+        except (KeyError, TypeError):
+            raise S2DError(f"params have no {row.ours!r}; they do not match the model config")
+        want = ((cfg.num_layers,) if row.stacked else ()) + _our_shape(cfg, row)
+        if shape != want:
+            raise S2DError(f"param {row.ours} has shape {shape}, config implies {want}")
+
+
+def export_hf(params: dict, cfg: ModelConfig, out_dir: str, extra: dict | None = None,
+              tokenizer_dir: str | None = None, max_shard_bytes: int = 5 * 2**30,
+              overwrite: bool = False) -> None:
+    """Write an HF dir that `LlamaForCausalLM.from_pretrained` loads.
+
+    Tensors keep the params' dtype; `extra` keys (each must start with `s2d_`) are added
+    to config.json; tokenizer files are copied from `tokenizer_dir`. Everything is written
+    to a temp dir next to `out_dir` and renamed at the end.
+    """
+    _check_params(params, cfg)
+    extra = dict(extra or {})
+    bad = [k for k in extra if not k.startswith(EXTRA_PREFIX)]
+    if bad:
+        raise S2DError(f"extra config key {bad[0]!r} does not start with {EXTRA_PREFIX!r}, so a "
+                       f"loader could not tell it from HF's keys; rename it")
+    tok_files = tokenizer_files(tokenizer_dir, required=True)
+    dtype = np.dtype(get_path(params, "embed").dtype).name
+    hf_config = {**cfg.to_hf_config(), "torch_dtype": dtype, **extra}
+    shards = _plan_shards(params, cfg, max_shard_bytes)
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    shard_of = {n: k for k, shard in enumerate(shards) for n in shard}
+
+    with atomic_output_dir(out_dir, overwrite) as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+        pending: dict[str, np.ndarray] = {}
+        weight_map, total = {}, 0
+        bar = tqdm(total=len(shard_of), desc="export", unit="tensor", leave=False, disable=None)
+        for name, x in hf_tensors(params, cfg):
+            pending[name] = np.ascontiguousarray(x)
+            weight_map[name] = names[shard_of[name]]
+            total += x.nbytes
+            bar.update()
+            if len(pending) == len(shards[shard_of[name]]):  # shard complete: write it
+                write_safetensors(pending, os.path.join(tmp, names[shard_of[name]]))
+                pending = {}
+        bar.close()
+        if len(shards) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                          indent=2)
+        for path in tok_files:
+            shutil.copy2(path, tmp)

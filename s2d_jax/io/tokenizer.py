@@ -1,0 +1,168 @@
+"""Tokenizers loaded through `transformers`, with Llama sentencepiece tokenizers made exact.
+
+Vicuna and Llama-2 were trained on ids from `sentencepiece` with Llama's `tokenizer.model`.
+transformers 5 converts that file into a `tokenizers` BPE that differs from sentencepiece
+on runs of spaces and leading spaces ("a  b", " x", indented code), for two reasons:
+  1. its merges are ranked by vocabulary id, but sentencepiece merges by piece *score*,
+     and the whitespace-only pieces ("▁▁", "▁▁▁", ...) have score -1e9: sentencepiece
+     merges them last, the converted BPE merges "▁▁" first;
+  2. sentencepiece always prepends "▁" and splits the text into words that start at each
+     run of "▁" (a run plus the following non-space characters); the converted
+     pre-tokenizer prepends only if the text does not already start with a space and
+     does not split at all.
+`_sentencepiece_exact` rebuilds the backend with merges re-ranked by score, a
+Prepend+Replace normalizer and a Split pre-tokenizer reproducing those words. A probe of
+tricky strings is checked against sentencepiece itself at load, so a tokenizer.model for
+which this reasoning does not hold fails loudly instead of training on wrong ids.
+
+`encode` never parses special-token text: "</s>" in user text stays text, as in
+sentencepiece. Callers that need EOS/BOS insert the ids (see s2d_jax.data.chat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+from s2d_jax.errors import S2DError
+
+SPACE = "\u2581"  # sentencepiece's whitespace symbol "▁"
+# One sentencepiece word: a run of "▁" with the non-space characters that follow it, or a
+# trailing run of "▁" alone (the text always starts with "▁": the normalizer prepends it).
+_SP_WORD = f"{SPACE}*[^{SPACE}]+|{SPACE}+"
+_PROBES = ("a  b", " x", "  leading", "hello\n\nworld", "def f():\n    return 1\n",
+           "x   ", " ", "", "h\u00e9llo \u4e16\u754c \U0001F916", "a" + " " * 20 + "b",
+           "12  345", "\t x\r\n", "USER: hi ASSISTANT: yo")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tokenizer:
+    """A loaded tokenizer. `hf` is the transformers tokenizer (fast, `tokenizers`-backed)."""
+
+    hf: Any
+    path: str
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + list(ids)
+
+    def encode_batch(self, texts: list[str], bos: bool = True) -> list[list[int]]:
+        out = self.hf(list(texts), add_special_tokens=False, split_special_tokens=True)
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return [head + list(ids) for ids in out["input_ids"]]
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids (no BOS) and each token's [start, end) character span in `text`."""
+        out = self.hf(text, add_special_tokens=False, split_special_tokens=True,
+                      return_offsets_mapping=True)
+        return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def fingerprint(self) -> str:
+        """Stable hash of the vocabulary (token -> id) and BOS/EOS ids.
+
+        Two tokenizers with the same fingerprint give token ids the same meaning, which is
+        what a draft and a target must share.
+        """
+        vocab = sorted(self.hf.get_vocab().items(), key=lambda kv: kv[1])
+        blob = json.dumps({"vocab": vocab, "bos": self.bos_id, "eos": self.eos_id},
+                          ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Load a local tokenizer directory (no hub): Llama `tokenizer.model` or `tokenizer.json`."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) and not os.path.isabs(path):
+        # Defaults such as "assets/llama2_tokenizer" name the repository's own copy.
+        in_repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
+        path = in_repo if os.path.isdir(in_repo) else path
+    if not os.path.isdir(path):
+        raise S2DError(f"tokenizer directory {path!r} does not exist; pass a local directory "
+                       "holding tokenizer.model or tokenizer.json")
+    sp_file = os.path.join(path, "tokenizer.model")
+    has_json = os.path.isfile(os.path.join(path, "tokenizer.json"))
+    if not os.path.isfile(sp_file) and not has_json:
+        raise S2DError(f"tokenizer directory {path!r} has neither tokenizer.model nor "
+                       "tokenizer.json; point data.tokenizer at a tokenizer directory")
+    from transformers import AutoTokenizer
+    try:
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
+    except Exception as e:  # transformers raises many types for unreadable files
+        raise S2DError(f"cannot load the tokenizer in {path!r}: {type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    if not getattr(hf, "is_fast", False) or not hasattr(hf, "backend_tokenizer"):
+        raise S2DError(f"tokenizer in {path!r} did not load as a fast (tokenizers) tokenizer; "
+                       "provide tokenizer.json or a Llama tokenizer.model")
+    if os.path.isfile(sp_file):
+        sp = _llama_sentencepiece(sp_file)
+        if sp is not None:
+            hf = _sentencepiece_exact(hf, sp, path)
+        elif not has_json:
+            raise S2DError(f"{sp_file} is not a Llama-style sentencepiece BPE model "
+                           "(identity normalizer, dummy prefix); provide a tokenizer.json")
+    bos, eos = hf.bos_token_id, hf.eos_token_id
+    pad = hf.pad_token_id if hf.pad_token_id is not None else (eos if eos is not None else 0)
+    return Tokenizer(hf=hf, path=path, bos_id=bos, eos_id=eos, pad_id=pad)
+
+
+def _llama_sentencepiece(sp_file: str):
+    """The SentencePieceProcessor if `sp_file` is a Llama-style BPE model, else None."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+    try:
+        proto = pb.ModelProto()
+        with open(sp_file, "rb") as f:
+            proto.ParseFromString(f.read())
+    except Exception as e:
+        raise S2DError(f"cannot read sentencepiece model {sp_file}: {e}") from e
+    t, n = proto.trainer_spec, proto.normalizer_spec
+    llama_style = (t.model_type == pb.TrainerSpec.BPE and n.name == "identity"
+                   and n.add_dummy_prefix and not n.remove_extra_whitespaces
+                   and not t.treat_whitespace_as_suffix)
+    return spm.SentencePieceProcessor(model_file=sp_file) if llama_style else None
+
+
+def _sentencepiece_exact(hf, sp, path: str):
+    """A copy of `hf` whose ids equal `sp.encode` (see the module docstring)."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    model = spec["model"]
+    n = sp.get_piece_size()
+    if model.get("type") != "BPE" or any(model["vocab"].get(sp.id_to_piece(i)) != i
+                                          for i in range(n)):
+        raise S2DError(f"tokenizer files in {path!r} disagree with its tokenizer.model "
+                       "(vocabulary differs); remove the stale tokenizer.json")
+    score = {sp.id_to_piece(i): sp.get_score(i) for i in range(n)}
+    merges = [m if isinstance(m, list) else m.split(" ") for m in model["merges"]]
+    # Stable sort: highest score of the merged piece first, as sentencepiece picks merges.
+    model["merges"] = sorted(merges, key=lambda m: -score.get(m[0] + m[1], -1e30))
+    backend = Backend.from_str(json.dumps(spec))
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_SP_WORD), behavior="isolated")
+    exact = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=hf.bos_token, eos_token=hf.eos_token,
+        unk_token=hf.unk_token, pad_token=hf.pad_token,
+        clean_up_tokenization_spaces=False)  # sentencepiece's decode does no clean-up
+    for text in _PROBES:
+        got = exact(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if list(got) != sp.encode(text):
+            raise S2DError(f"tokenizer in {path!r} cannot reproduce sentencepiece on {text!r}; "
+                           "this tokenizer.model is not supported")
+    return exact

@@ -1,0 +1,134 @@
+"""A sorted draft: one stack of N layers with exits at increasing depths, and the SoFT loss.
+
+Exit i is layers [0, e_i) + the shared final norm and LM head (S2D, arXiv 2407.01955: the
+first 12 layers of Vicuna-7B with exits 6, 9, 12). `multi_exit_hidden` scans the stack
+once, segment by segment ([0, e_1), [e_1, e_2), ...), each segment starting from the
+previous exit's hidden state, so no layer is computed twice.
+
+SoFT (sorted fine-tuning) loss = weighted mean over exits of each exit's masked token
+cross-entropy. Each exit's [B, T, V] float32 logits are built, reduced and (under
+`jax.checkpoint`) recomputed in the backward pass one exit at a time, so training never
+holds [E, B, T, V] logits at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from s2d_jax.model import transformer as model
+from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Exit depths (layer counts) of a sorted draft; empty = one exit at the last layer.
+
+    `exit_weights` weigh the exits in the SoFT loss (empty = equal weights).
+    """
+
+    exits: tuple[int, ...] = ()
+    exit_weights: tuple[float, ...] = ()
+
+    def resolved_exits(self, num_layers: int) -> tuple[int, ...]:
+        exits = self.exits or (num_layers,)
+        validate_exits(exits, num_layers)
+        return exits
+
+    def resolved_weights(self, num_exits: int) -> tuple[float, ...]:
+        if not self.exit_weights:
+            return (1.0,) * num_exits
+        if len(self.exit_weights) != num_exits:
+            raise S2DError(f"draft.exit_weights has {len(self.exit_weights)} entries but there "
+                           f"are {num_exits} exits; give one weight per exit")
+        if any(w < 0 for w in self.exit_weights) or sum(self.exit_weights) <= 0:
+            raise S2DError(f"draft.exit_weights={list(self.exit_weights)} must be >= 0 with a "
+                           f"positive sum")
+        return tuple(float(w) for w in self.exit_weights)
+
+
+def validate_exits(exits, num_layers: int) -> None:
+    """Exits must be strictly increasing layer counts in (0, num_layers], ending at num_layers."""
+    exits = tuple(exits)
+    ok = (len(exits) > 0 and all(isinstance(e, int) for e in exits)
+          and all(e > 0 for e in exits)
+          and all(a < b for a, b in zip(exits, exits[1:]))
+          and exits[-1] == num_layers)
+    if not ok:
+        raise S2DError(
+            f"draft exits {list(exits)} are invalid for a {num_layers}-layer draft; exits must be "
+            f"strictly increasing layer counts > 0 ending at {num_layers} (e.g. [6, 9, 12] "
+            f"for 12 layers)")
+
+
+def multi_exit_hidden(params: dict, cfg: ModelConfig, exits: tuple[int, ...], tokens,
+                      positions=None, segment_ids=None, remat: str = "none") -> list:
+    """Hidden states [B, T, D] at every exit, from one pass over the layer stack."""
+    validate_exits(exits, cfg.num_layers)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    h = model.embed_tokens(params, cfg, tokens)
+    hidden, start = [], 0
+    for end in exits:  # a few static segments, not a loop over layers: each is one scan
+        h, _ = model.run_layers(params, cfg, h, positions, start, end, None, segment_ids, remat)
+        hidden.append(h)
+        start = end
+    return hidden
+
+
+def multi_exit_logits(params: dict, cfg: ModelConfig, exits, tokens, positions=None,
+                      segment_ids=None) -> list:
+    """Float32 logits [B, T, V] of every exit (shared final norm + head). For eval/tests."""
+    return [model.lm_logits(params, cfg, h)
+            for h in multi_exit_hidden(params, cfg, exits, tokens, positions, segment_ids)]
+
+
+def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask):
+    """(sum of masked CE, number of masked correct argmax) for one exit's hidden state."""
+    logits = model.lm_logits(params, cfg, h)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return jnp.sum(ce * loss_mask), jnp.sum(correct * loss_mask)
+
+
+# Saves only the exit's hidden state for the backward pass; the logits are recomputed.
+_exit_sums_remat = jax.checkpoint(_exit_sums, static_argnums=(1,))
+
+
+def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none"):
+    """Per-exit (CE sums [E], correct counts [E]) over the masked tokens of `batch`.
+
+    `batch` holds `inputs`, `targets` int32 [B, T], `loss_mask` float [B, T] and optionally
+    `positions`, `segment_ids` [B, T]. Sums (not means) so micro-batches add up exactly.
+    """
+    hidden = multi_exit_hidden(params, cfg, exits, batch["inputs"], batch.get("positions"),
+                               batch.get("segment_ids"), remat)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    # A scan over the exits (not a Python loop): the LM head is gathered and its gradient
+    # accumulated once per iteration instead of being materialised once per exit.
+    return jax.lax.map(lambda h: _exit_sums_remat(params, cfg, h, batch["targets"], mask),
+                       jnp.stack(hidden))
+
+
+def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
+              remat: str = "none"):
+    """SoFT loss = weighted mean over exits of each exit's masked mean CE; plus metrics.
+
+    Returns (loss, {"loss", "exit_loss" [E], "exit_acc" [E], "tokens"}).
+    """
+    weights = jnp.asarray(weights if weights is not None else (1.0,) * len(exits), jnp.float32)
+    ce, correct = soft_sums(params, cfg, exits, batch, remat)
+    tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+    exit_loss = ce / tokens
+    loss = jnp.sum(weights * exit_loss) / jnp.sum(weights)
+    return loss, {"loss": loss, "exit_loss": exit_loss, "exit_acc": correct / tokens,
+                  "tokens": tokens}
+
+
+def draft_hf_extra(exits) -> dict:
+    """Extra config.json fields recording the exits of an exported draft."""
+    return {"s2d_exits": [int(e) for e in exits]}

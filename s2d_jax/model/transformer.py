@@ -1,0 +1,247 @@
+"""The one Llama-family transformer every model in s2d-jax uses.
+
+Params are a plain pytree (dict). The decoder blocks' params are stacked on a leading
+layer axis and applied with `jax.lax.scan`, so `run_layers(..., start, end)` runs any
+layer range `[start, end)` from a given hidden state: exits of a sorted draft and
+early-exit self-speculation are slices of one stack, never copies.
+
+Einsum letters: B batch, T query tokens, S key slots, D model dim, N query heads,
+K kv heads, G query heads per kv head, H head dim, F mlp hidden, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from s2d_jax.config import ModelConfig
+from s2d_jax.model.kvcache import KVCache
+from s2d_jax.model.rope import apply_rope, cos_sin
+from s2d_jax.parallel.mesh import logical_to_sharding
+
+# Logical axis names of each parameter; sharding.py maps them to mesh axes.
+LAYER_AXES = {
+    "attn_norm": ("layers", "norm"),
+    "wq": ("layers", "embed", "heads", "head_dim"),
+    "wk": ("layers", "embed", "kv_heads", "head_dim"),
+    "wv": ("layers", "embed", "kv_heads", "head_dim"),
+    "wo": ("layers", "heads", "head_dim", "embed"),
+    "mlp_norm": ("layers", "norm"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    axes = {"embed": ("vocab", "embed"), "layers": dict(LAYER_AXES), "final_norm": ("norm",)}
+    if not cfg.tie_word_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shape of every parameter, as the same nested dict as the params."""
+    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {
+        "embed": (V, D),
+        "layers": {
+            "attn_norm": (L, D), "wq": (L, D, N, H), "wk": (L, D, K, H), "wv": (L, D, K, H),
+            "wo": (L, N, H, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F),
+            "w_down": (L, F, D),
+        },
+        "final_norm": (D,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "std"))
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Random params (normal(std) matrices, unit norms) in `cfg.param_dtype`.
+
+    Jitted so that one compile builds every tensor (eagerly, each draw compiles its own).
+    """
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    dtype = jnp.dtype(cfg.param_dtype)
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.ones(shape, dtype))
+        else:
+            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+    """Param shapes/dtypes as ShapeDtypeStructs, with no memory allocated."""
+    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
+def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _attention(q, k, v, mask, cfg: ModelConfig):
+    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] (True = may attend) -> [B,T,N,H]."""
+    B, T, _, H = q.shape
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k) * (H ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, cfg.num_heads, H)
+
+
+def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
+    """einsum(eq, x, w) contracting x's trailing axes with w's leading ones. `w` is an
+    array or a quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run
+    an int8 matmul on the fly-quantized x."""
+    if getattr(w, "act_bits", 0):
+        return w.matmul(x).astype(dt)
+    return jnp.einsum(eq, x, w.astype(dt))
+
+
+def _block(lp, h, cos, sin, cfg: ModelConfig, attend):
+    """One decoder block. `attend(k_new, v_new) -> (k_all, v_all, mask)` supplies keys."""
+    dt = h.dtype
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    q = dense("BTD,DNH->BTNH", x, lp["wq"], dt)
+    k = dense("BTD,DKH->BTKH", x, lp["wk"], dt)
+    v = dense("BTD,DKH->BTKH", x, lp["wv"], dt)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_all, v_all, mask, extra = attend(k, v)
+    attn = _attention(q, k_all, v_all, mask, cfg)
+    h = h + dense("BTNH,NHD->BTD", attn, lp["wo"], dt)
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = dense("BTD,DF->BTF", x, lp["w_gate"], dt)
+    up = dense("BTD,DF->BTF", x, lp["w_up"], dt)
+    h = h + dense("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"], dt)
+    return h, extra
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+UNROLL_LAYERS = 4
+
+
+def layer_slice(params: dict, start: int, end: int) -> dict:
+    return jax.tree.map(lambda x: x[start:end], params["layers"])
+
+
+def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
+               start: int = 0, end: int | None = None, cache: KVCache | None = None,
+               segment_ids: jnp.ndarray | None = None, remat: str = "none",
+               layers: dict | None = None):
+    """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
+
+    `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
+    from params["layers"]; inside a loop body XLA re-executes that slice, a weight copy,
+    every iteration).
+
+    With a cache, the new keys/values go to slot == position of layer `start + i`, and each
+    query attends to every slot <= its position. Without a cache, attention is causal
+    within the call (and within each `segment_ids` segment, for packed training rows).
+    `start`/`end` are static. Returns (h, cache); cache lengths are left to the caller.
+    """
+    end = cfg.num_layers if end is None else end
+    if not 0 <= start <= end <= cfg.num_layers:
+        raise ValueError(f"layer range [{start}, {end}) outside [0, {cfg.num_layers}]")
+    if start == end:
+        return h, cache
+    cos, sin = cos_sin(cfg, positions)
+    layers = layer_slice(params, start, end) if layers is None else layers
+    idx = jnp.arange(start, end, dtype=jnp.int32)
+
+    if cache is None:
+        B, T = positions.shape
+        tpos = jnp.arange(T)
+        mask = tpos[None, :, None] >= tpos[None, None, :]
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = jnp.broadcast_to(mask, (B, T, T))
+
+        def body(h, xs):
+            lp, _ = xs
+            h, _ = _block(lp, h, cos, sin, cfg, lambda k, v: (k, v, mask, None))
+            return h, None
+
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {remat!r}; use one of {list(REMAT_POLICIES)}")
+        if remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
+        h, _ = jax.lax.scan(body, h, (layers, idx))
+        return h, None
+
+    B, T = positions.shape
+    bidx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    slots = jnp.arange(cache.max_len)
+    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+    def body(carry, xs):
+        h, kc, vc = carry
+        lp, li = xs
+
+        def attend(k, v):
+            # Scatter the new keys into their slots (positions past the cache are dropped).
+            kc2 = kc.at[li, bidx, positions].set(k.astype(kc.dtype), mode="drop")
+            vc2 = vc.at[li, bidx, positions].set(v.astype(vc.dtype), mode="drop")
+            return kc2[li].astype(h.dtype), vc2[li].astype(h.dtype), mask, (kc2, vc2)
+
+        h, (kc, vc) = _block(lp, h, cos, sin, cfg, attend)
+        return (h, kc, vc), None
+
+    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx),
+                                unroll=(end - start) <= UNROLL_LAYERS)
+    return h, cache.replace(k=k, v=v)
+
+
+def embed_tokens(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
+    return params["embed"][tokens].astype(jnp.dtype(cfg.dtype))
+
+
+def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+    """Final norm + LM head (tied or untied) -> float32 logits [..., V]."""
+    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if cfg.tie_word_embeddings:
+        w = params["embed"].astype(x.dtype)
+        return jnp.einsum("...D,VD->...V", x, w).astype(jnp.float32)
+    return dense("...D,DV->...V", x, params["lm_head"], x.dtype).astype(jnp.float32)
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
+            cache: KVCache | None = None, segment_ids=None, remat: str = "none"):
+    """Full model: tokens [B, T] -> (float32 logits [B, T, V], cache).
+
+    Positions default to the cache's next positions (or 0..T-1 without a cache); the
+    returned cache holds the new keys/values but its lengths are not advanced.
+    """
+    if positions is None:
+        T = tokens.shape[1]
+        positions = (cache.next_positions(T) if cache is not None
+                     else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape))
+    h = embed_tokens(params, cfg, tokens)
+    h, cache = run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, segment_ids, remat)
+    return lm_logits(params, cfg, h), cache
+
+
+def param_shardings(cfg: ModelConfig, mesh):
+    """Params-shaped tree of NamedShardings: heads, kv heads, mlp and vocab over `tensor`,
+    embed over `fsdp` (the rules every part of s2d-jax shares)."""
+    return logical_to_sharding(param_axes(cfg), mesh)

@@ -1,0 +1,96 @@
+"""Mesh construction and the one logical-axis -> mesh-axis rule table.
+
+Training and inference both place params, caches and batches through `logical_to_sharding`,
+so a parameter is split the same way wherever it lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+RULES: dict[str, object] = {
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "cache_seq": None,
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+    "layers": None,
+    "norm": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.data, self.fsdp, self.tensor)
+
+
+def make_mesh(mc: MeshConfig, devices=None) -> Mesh:
+    devices = devices if devices is not None else jax.devices()
+    n = math.prod(mc.shape)
+    if n != len(devices):
+        raise S2DError(
+            f"mesh data={mc.data} x fsdp={mc.fsdp} x tensor={mc.tensor} = {n} devices, but "
+            f"{len(devices)} are available; set mesh sizes whose product is {len(devices)}")
+    return with_auto_axes(jax.make_mesh(mc.shape, MESH_AXES, devices=devices))
+
+
+def with_auto_axes(mesh: Mesh | None) -> Mesh | None:
+    """The same mesh with Auto axes: the model relies on GSPMD propagation from in/out
+    shardings; under jax>=0.7's default Explicit axes its embedding gather has no
+    resolvable output sharding."""
+    if mesh is None:
+        return None
+    return Mesh(mesh.devices, mesh.axis_names,
+                axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim)
+
+
+def spec(logical: tuple, rules: dict | None = None) -> P:
+    rules = RULES if rules is None else rules
+    return P(*(rules.get(name) for name in logical))
+
+
+def logical_to_sharding(axes_tree, mesh: Mesh, rules: dict | None = None):
+    """Map a pytree of logical-axis tuples to NamedShardings on `mesh`."""
+    return jax.tree.map(lambda ax: NamedSharding(mesh, spec(ax, rules)), axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def check_divisible(cfg: ModelConfig, mc: MeshConfig, what: str = "model") -> None:
+    """Refuse a tensor/fsdp axis that does not divide the dimensions it splits."""
+    dims = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+            "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    for name, size in dims.items():
+        if size % mc.tensor:
+            raise S2DError(f"mesh tensor={mc.tensor} does not divide {what}.{name}={size}; "
+                           f"choose a tensor size dividing it")
+    if cfg.hidden_size % mc.fsdp:
+        raise S2DError(f"mesh fsdp={mc.fsdp} does not divide {what}.hidden_size="
+                       f"{cfg.hidden_size}; choose an fsdp size dividing it")
+
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def cache_sharding(mesh):
+    """KV cache [L, B, S, K, H]: rows over data x fsdp, kv heads over tensor."""
+    return jax.sharding.NamedSharding(mesh, spec(CACHE_AXES))

@@ -1,0 +1,93 @@
+"""The training config: typed sections loaded from YAML with `key=value` overrides.
+
+`python -m train.soft --config configs/train/cpu_soft.yaml optimizer.lr=1e-3 mesh.data=2`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from s2d_jax.config import load_config
+from s2d_jax.errors import S2DError
+from s2d_jax.model.transformer import REMAT_POLICIES
+from s2d_jax.parallel.mesh import MeshConfig
+from s2d_jax.model.sorted_draft import DraftConfig
+from s2d_jax.train.data import DataConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Where the draft comes from.
+
+    `path` is a model YAML (configs/models/*.yaml: random init, the draft has the YAML's
+    num_layers) or an HF / orbax checkpoint directory (the first `draft.exits[-1]` layers
+    are loaded: draft initialised from a target). `overrides` are `key=value` ModelConfig
+    overrides applied to a YAML (e.g. `num_layers=4`). Empty dtypes keep the model's.
+    """
+
+    path: str = ""
+    overrides: tuple[str, ...] = ()
+    dtype: str = ""  # compute dtype
+    param_dtype: str = ""  # dtype of the trained (master) params
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 2e-5
+    warmup_steps: int = 0
+    total_steps: int = 0  # 0 = from data.num_epochs and the dataset size
+    end_lr_ratio: float = 0.0  # cosine decays to lr * end_lr_ratio
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # 0 = no clipping
+    grad_accum_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # "" = no checkpoints
+    save_every: int = 1000
+    keep_last: int = 3
+    async_save: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: ModelSection = ModelSection()
+    draft: DraftConfig = DraftConfig()
+    data: DataConfig = DataConfig()
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    remat: str = "none"
+    seed: int = 0
+    metrics_path: str = ""  # JSONL, one line per logged step
+    log_every: int = 1
+    export_dir: str = ""  # HF dir for the trained draft, written at the end
+    export_overwrite: bool = False
+    # Deterministic synthetic batches (tests, benchmarks): no files or tokenizer needed.
+    synthetic_data: bool = False
+    # Debug: hard-exit the process right after finishing this step (0 = off); used to
+    # test resuming after a crash.
+    stop_after_step: int = 0
+
+    def __post_init__(self):
+        if self.remat not in REMAT_POLICIES:
+            raise S2DError(f"remat={self.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+        o = self.optimizer
+        if o.grad_accum_steps < 1:
+            raise S2DError(f"optimizer.grad_accum_steps must be >= 1, got {o.grad_accum_steps}")
+        if o.lr <= 0 or o.warmup_steps < 0 or o.total_steps < 0:
+            raise S2DError("optimizer.lr must be > 0 and warmup_steps/total_steps >= 0")
+        if self.checkpoint.dir and (self.checkpoint.save_every < 1 or self.checkpoint.keep_last < 1):
+            raise S2DError("checkpoint.save_every and checkpoint.keep_last must be >= 1")
+        if not self.model.path:
+            raise S2DError("model.path is empty; set it to a model YAML or an HF/orbax dir")
+        if self.mesh.data < 1 or self.mesh.fsdp < 1 or self.mesh.tensor < 1:
+            raise S2DError(f"mesh sizes must be >= 1, got {self.mesh}")
+
+
+def load_train_config(path: str | None, overrides=()) -> TrainConfig:
+    return load_config(TrainConfig, path, overrides)

@@ -1,0 +1,271 @@
+"""The SoFT training loop: build the draft, check the setup, run the jitted step, checkpoint.
+
+All user-input checks (model path, exits, mesh vs devices, divisibility, data files,
+tokenizer vocabulary) happen before the checkpoint manager is created, so bad input never
+touches an existing checkpoint directory. With `draft.exits = [N]` this is plain LM
+training (the demo targets are trained with it from a random init).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from s2d_jax.model import transformer as model
+from s2d_jax.train import checkpoint as ckpt
+from s2d_jax.config import ModelConfig, load_model_config, read_hf_config
+from s2d_jax.parallel.multihost import maybe_initialize_distributed
+from s2d_jax.errors import S2DError
+from s2d_jax.parallel.mesh import check_divisible, logical_to_sharding
+from s2d_jax.model.sorted_draft import draft_hf_extra, validate_exits
+from s2d_jax.train.config import OptimizerConfig, TrainConfig
+from s2d_jax.train.data import batch_fingerprint, make_train_iterator
+from s2d_jax.parallel.mesh import make_mesh
+from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding,
+                                global_batch, make_init_fn, make_optimizer, make_train_step,
+                                state_shardings)
+
+def _with_dtypes(cfg: ModelConfig, tc: TrainConfig) -> ModelConfig:
+    kw = {k: v for k, v in (("dtype", tc.model.dtype), ("param_dtype", tc.model.param_dtype)) if v}
+    return dataclasses.replace(cfg, **kw) if kw else cfg
+
+
+def resolve_draft(tc: TrainConfig):
+    """(ModelConfig of the draft, exits, source) with no weights loaded.
+
+    source is None for a random init (model YAML) or the checkpoint dir to load from.
+    """
+    path = tc.model.path
+    if not os.path.exists(path):
+        raise S2DError(f"model.path {path} does not exist; point it to a model YAML or an "
+                       f"HF/orbax checkpoint dir")
+    if os.path.isfile(path) and path.endswith((".yaml", ".yml")):
+        cfg = _with_dtypes(load_model_config(path, tc.model.overrides), tc)
+        return cfg, tc.draft.resolved_exits(cfg.num_layers), None
+    from s2d_jax.io.checkpoint import is_params_checkpoint, read_params_config
+    if os.path.isdir(path) and is_params_checkpoint(path):
+        full, _ = read_params_config(path)
+    else:
+        full = read_hf_config(path)  # raises S2DError when there is no config.json
+    cfg, exits = draft_of_target(full, tc)
+    return cfg, exits, path
+
+
+def draft_of_target(full: ModelConfig, tc: TrainConfig):
+    """(draft ModelConfig, exits): the first draft.exits[-1] layers of the target `full`."""
+    if not tc.draft.exits:
+        raise S2DError(f"draft.exits is empty; to train a draft from a {full.num_layers}-layer "
+                       f"target set the exits, e.g. draft.exits=[6,9,12]")
+    exits = tuple(tc.draft.exits)
+    validate_exits(exits, exits[-1])
+    if exits[-1] > full.num_layers:
+        raise S2DError(f"draft exits {list(exits)} go beyond the {full.num_layers} layers of "
+                       f"the target model {tc.model.path}; use exits <= {full.num_layers}")
+    return _with_dtypes(dataclasses.replace(full, num_layers=exits[-1]), tc), exits
+
+
+@functools.lru_cache(maxsize=8)
+def build_step(cfg: ModelConfig, exits, weights, opt: OptimizerConfig, total_steps: int, mesh,
+               remat: str):
+    """(optimizer, state shardings, jitted init, jitted step), cached on the (hashable) settings so that
+    runs in one process (tests, benchmarks) reuse the compiled step."""
+    tx, schedule = make_optimizer(opt, total_steps)
+    shardings = state_shardings(cfg, mesh, tx)
+    step_fn = make_train_step(cfg, exits, weights, tx, schedule, mesh, shardings,
+                              opt.grad_accum_steps, remat)
+    return tx, shardings, make_init_fn(tx, shardings), step_fn
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(cfg: ModelConfig, mesh):
+    # Cached per (cfg, mesh): compiling the random init costs seconds; runs in one process
+    # (tests, benchmarks) reuse it.
+    return jax.jit(functools.partial(model.init_params, cfg),
+                   out_shardings=logical_to_sharding(model.param_axes(cfg), mesh))
+
+
+def initial_params(cfg: ModelConfig, source, mesh, seed: int) -> dict:
+    """Random init (source None) or the first cfg.num_layers layers of checkpoint `source`."""
+    if source is None:
+        return _jitted_init(cfg, mesh)(jax.random.key(seed))
+    param_shardings = logical_to_sharding(model.param_axes(cfg), mesh)
+    from s2d_jax.io.checkpoint import load_model
+    _, params, _ = load_model(source, num_layers=cfg.num_layers, dtype=cfg.param_dtype,
+                              shardings=param_shardings)
+    return params
+
+
+def check_batch(tc: TrainConfig) -> None:
+    rows = tc.mesh.data * tc.mesh.fsdp
+    b, a = tc.data.batch_size, tc.optimizer.grad_accum_steps
+    if b % a or (b // a) % rows:
+        raise S2DError(f"data.batch_size={b} must split into grad_accum_steps={a} micro-batches "
+                       f"whose size is a multiple of mesh data x fsdp = {rows}")
+
+
+def _total_steps(tc: TrainConfig, iterator) -> int:
+    if tc.optimizer.total_steps:
+        return tc.optimizer.total_steps
+    n = getattr(iterator, "num_batches", None)
+    if n is None and hasattr(iterator, "__len__"):
+        n = len(iterator)
+    if not n:
+        raise S2DError("optimizer.total_steps=0 needs a dataset of known size with "
+                       "data.num_epochs > 0; set optimizer.total_steps")
+    if jax.process_count() > 1:  # packing may give hosts different counts: all stop together
+        from jax.experimental import multihost_utils
+        n = int(np.min(multihost_utils.process_allgather(np.asarray(n))))
+    return int(n)
+
+
+class MetricsLog:
+    """JSONL metrics (process 0 only), flushed each line so a crash loses nothing logged."""
+
+    def __init__(self, path: str):
+        self.f = None
+        if path and jax.process_index() == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.f = open(path, "a")
+
+    def write(self, record: dict) -> None:
+        if self.f:
+            self.f.write(json.dumps(record) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f:
+            self.f.close()
+
+
+def _record(step, m, dt, tokens, fingerprint, exits) -> dict:
+    """One metrics line; tokens/s counts non-padding tokens since the previous line."""
+    return {"step": step, "loss": float(m["loss"]),
+            "exit_loss": {str(e): float(x) for e, x in zip(exits, m["exit_loss"])},
+            "exit_acc": {str(e): float(x) for e, x in zip(exits, m["exit_acc"])},
+            "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+            "loss_tokens": float(m["tokens"]), "tokens_per_s": tokens / max(dt, 1e-9),
+            "batch_fingerprint": fingerprint}
+
+
+def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
+    """Run (or resume) training. Returns {"state", "history", "cfg", "exits", "start_step"}."""
+    maybe_initialize_distributed()
+    cfg, exits, source = resolve_draft(tc)
+    weights = tc.draft.resolved_weights(len(exits))
+    mesh = make_mesh(tc.mesh, devices)
+    check_divisible(cfg, tc.mesh, "model")
+    check_batch(tc)
+    if tc.export_dir and os.path.exists(tc.export_dir) and not tc.export_overwrite:
+        raise S2DError(f"export_dir {tc.export_dir} already exists; remove it, choose another "
+                       f"or set export_overwrite=true")
+    tokenizer = None
+    if not tc.synthetic_data:
+        from s2d_jax.io.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(tc.data.tokenizer)
+        if tokenizer.vocab_size != cfg.vocab_size:
+            raise S2DError(f"tokenizer {tc.data.tokenizer} has {tokenizer.vocab_size} tokens but "
+                           f"the model's vocab_size is {cfg.vocab_size}; use the model's tokenizer")
+    iterator = make_train_iterator(tc.data, cfg.vocab_size, tc.synthetic_data,
+                                   jax.process_index(), jax.process_count(), tokenizer)
+    total_steps = _total_steps(tc, iterator)
+    tx, shardings, init_fn, step_fn = build_step(cfg, exits, weights, tc.optimizer, total_steps,
+                                                  mesh, tc.remat)
+
+    # Only now (all input checked) touch the checkpoint dir.
+    manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
+                                tc.checkpoint.async_save) if tc.checkpoint.dir else None
+    restored = ckpt.restore_latest(manager, abstract_state(cfg, tx, shardings)) if manager else None
+    if restored is not None:
+        state, data_state, start = restored
+        iterator.set_state(data_state)
+    else:
+        params = initial_params(cfg, source, mesh, tc.seed)
+        state, start = init_fn(params), 0
+
+    log = MetricsLog(tc.metrics_path)
+    history = []
+    bar = None
+    if progress and jax.process_index() == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=total_steps, initial=start, desc="soft", dynamic_ncols=True)
+    try:
+        t_last, tokens_since = time.perf_counter(), 0
+        for step in range(start + 1, total_steps + 1):
+            try:
+                host_batch = next(iterator)
+            except StopIteration:
+                break
+            state, metrics = step_fn(state, global_batch(host_batch, mesh))
+            tokens_since += int(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
+            if step % tc.log_every == 0 or step == total_steps:
+                metrics = jax.device_get(metrics)  # waits for the step: the timing is real
+                now = time.perf_counter()
+                rec = _record(step, metrics, now - t_last, tokens_since,
+                              batch_fingerprint(host_batch), exits)
+                t_last, tokens_since = now, 0
+                history.append(rec)
+                log.write(rec)
+                if bar:
+                    bar.set_postfix({**{f"L{e}": f"{v:.3f}" for e, v in rec["exit_loss"].items()},
+                                     "tok/s": f"{rec['tokens_per_s']:.0f}"}, refresh=False)
+            if bar:
+                bar.update(1)
+            if manager and (step % tc.checkpoint.save_every == 0 or step == total_steps):
+                ckpt.save(manager, step, state, iterator.get_state())
+            if tc.stop_after_step and step == tc.stop_after_step:
+                if manager:
+                    manager.wait_until_finished()
+                os._exit(3)  # debug: simulate a crash right after this step
+        if manager:
+            if manager.latest_step() != int(state.step):
+                ckpt.save(manager, int(state.step), state, iterator.get_state())
+            manager.wait_until_finished()
+    finally:
+        if bar:
+            bar.close()
+        log.close()
+    if tc.export_dir:
+        export_draft(tc, cfg, exits, state.params)
+    return {"state": state, "history": history, "cfg": cfg, "exits": exits, "start_step": start}
+
+
+def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params) -> None:
+    """The trained draft as an HF Llama dir of N layers; exits in config.json `s2d_exits`."""
+    from jax.experimental import multihost_utils
+
+    from s2d_jax.io.hf import export_hf
+    host = (multihost_utils.process_allgather(params, tiled=True) if jax.process_count() > 1
+            else jax.device_get(params))
+    if jax.process_index() == 0:
+        tok_dir = None if tc.synthetic_data else tc.data.tokenizer
+        export_hf(host, cfg, tc.export_dir, extra=draft_hf_extra(exits), tokenizer_dir=tok_dir,
+                  overwrite=tc.export_overwrite)
+
+
+def compile_step_aot(tc: TrainConfig, cfg: ModelConfig, exits, devices=None, total_steps=1000):
+    """Lower and compile the training step on abstract shapes (nothing allocated).
+
+    Returns (compiled, lower_seconds, compile_seconds); `compiled.memory_analysis()` gives
+    per-device argument/output/temp/code bytes.
+    """
+    mesh = make_mesh(tc.mesh, devices)
+    check_divisible(cfg, tc.mesh, "model")
+    check_batch(tc)
+    weights = tc.draft.resolved_weights(len(exits))
+    tx, shardings, _, step_fn = build_step(cfg, exits, weights, tc.optimizer,
+                                           tc.optimizer.total_steps or total_steps, mesh, tc.remat)
+    bsh = batch_sharding(mesh)
+    shape = (tc.data.batch_size, tc.data.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, "float32" if k == "loss_mask" else "int32",
+                                     sharding=bsh) for k in BATCH_KEYS}
+    t0 = time.perf_counter()
+    lowered = step_fn.lower(abstract_state(cfg, tx, shardings), batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, t1 - t0, time.perf_counter() - t1

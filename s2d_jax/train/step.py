@@ -1,0 +1,155 @@
+"""Train state, optimizer, shardings and the one jitted SoFT training step.
+
+The step is a single `jax.jit` with explicit in/out shardings from the mesh and the state
+donated. Gradient accumulation is a `lax.scan` over micro-batches inside the step; the
+loss is normalised by the token count of the whole global batch, so accumulating
+A micro-batches gives the same update as one batch A times larger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from s2d_jax.model import transformer as model
+from s2d_jax.config import ModelConfig
+from s2d_jax.parallel.mesh import RULES, logical_to_sharding
+from s2d_jax.model.sorted_draft import soft_sums
+from s2d_jax.train.config import OptimizerConfig
+
+BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+
+
+@struct.dataclass
+class TrainState:
+    step: jnp.ndarray  # int32 scalar: optimizer updates done
+    params: dict
+    opt_state: Any
+
+
+def make_optimizer(o: OptimizerConfig, total_steps: int):
+    """AdamW with linear warmup + cosine decay, global-norm clipping; no decay on norms."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if o.warmup_steps else o.lr, peak_value=o.lr,
+        warmup_steps=o.warmup_steps, decay_steps=max(total_steps, o.warmup_steps + 1),
+        end_value=o.lr * o.end_lr_ratio)
+
+    def decay_mask(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+    parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+    parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
+                             weight_decay=o.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """[batch, seq] arrays: rows split over the "batch" rule (data x fsdp)."""
+    return NamedSharding(mesh, P(RULES["batch"], None))
+
+
+def state_shardings(cfg: ModelConfig, mesh: Mesh, tx) -> TrainState:
+    """Shardings of the whole state; optimizer moments follow the param they belong to."""
+    param_sh = logical_to_sharding(model.param_axes(cfg), mesh)
+    abstract = model.abstract_params(cfg)
+    by_path = {}
+    for path, sh in jax.tree_util.tree_flatten_with_path(param_sh)[0]:
+        by_path[jax.tree_util.keystr(path)] = sh
+    shapes = {jax.tree_util.keystr(p): x.shape
+              for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    replicated = NamedSharding(mesh, P())
+
+    def opt_leaf(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for ppath, sh in by_path.items():  # e.g. "[1][0].mu['layers']['wq']" ends with a param path
+            if key.endswith(ppath) and tuple(leaf.shape) == shapes[ppath]:
+                return sh
+        return replicated
+
+    abstract_opt = jax.eval_shape(tx.init, abstract)
+    opt_sh = jax.tree_util.tree_map_with_path(opt_leaf, abstract_opt)
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
+
+
+def abstract_state(cfg: ModelConfig, tx, shardings: TrainState) -> TrainState:
+    """ShapeDtypeStructs (with shardings) of the state: no memory allocated."""
+    params = model.abstract_params(cfg)
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                       opt_state=jax.eval_shape(tx.init, params))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, shardings)
+
+
+def make_init_fn(tx, shardings: TrainState):
+    """Jitted (params) -> TrainState placed on the mesh (optimizer state built in place)."""
+
+    def init(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)
+
+
+def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[float, ...], tx,
+                    schedule, mesh: Mesh, shardings: TrainState, grad_accum_steps: int = 1,
+                    remat: str = "none"):
+    """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics)."""
+    w = jnp.asarray(weights, jnp.float32)
+    A = grad_accum_steps
+    micro_sharding = NamedSharding(mesh, P(None, RULES["batch"], None))
+
+    def loss_fn(params, micro, total_tokens):
+        ce, correct = soft_sums(params, cfg, exits, micro, remat)
+        loss = jnp.sum(w * ce) / total_tokens / jnp.sum(w)
+        return loss, (ce, correct)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state: TrainState, batch: dict):
+        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        if A == 1:
+            (loss, (ce, correct)), grads = grad_fn(state.params, batch, total_tokens)
+        else:
+            # Row r*A + a goes to micro-batch a: each micro-batch keeps an even share of
+            # every device's rows, so splitting needs no communication.
+            def split(x):
+                B = x.shape[0]
+                x = x.reshape(B // A, A, *x.shape[1:]).swapaxes(0, 1)
+                return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+            micro = {k: split(v) for k, v in batch.items()}
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            E = len(exits)
+            init = (zeros, jnp.zeros(()), jnp.zeros((E,)), jnp.zeros((E,)))
+
+            def body(carry, mb):
+                g_acc, l_acc, ce_acc, c_acc = carry
+                (l, (ce, c)), g = grad_fn(state.params, mb, total_tokens)
+                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+                # Keep the float32 accumulator sharded like the params (not gathered).
+                g_acc = jax.lax.with_sharding_constraint(g_acc, shardings.params)
+                return (g_acc, l_acc + l, ce_acc + ce, c_acc + c), None
+
+            (grads, loss, ce, correct), _ = jax.lax.scan(body, init, micro)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "exit_loss": ce / total_tokens, "exit_acc": correct / total_tokens,
+                   "grad_norm": grad_norm, "lr": schedule(state.step), "tokens": total_tokens}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)),
+                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+
+
+def global_batch(batch: dict, mesh: Mesh) -> dict:
+    """Per-host numpy rows -> global jax arrays sharded on the batch axis."""
+    sh = batch_sharding(mesh)
+    return {k: jax.make_array_from_process_local_data(sh, batch[k]) for k in BATCH_KEYS}
