@@ -72,7 +72,7 @@ def _check_args(args):
     from infer.generate import _floats, parse_targets
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
-        if not os.path.isdir(path):
+        if not os.path.exists(path):  # a model dir or a .gguf file
             raise S2DError(f"model dir {path} ({name}) does not exist")
     temps = _floats(args.temperatures)
     if not temps or any(t < 0 for t in temps):

@@ -289,7 +289,7 @@ def main(argv=None):
     from infer.generate import parse_targets
     (name, path), = parse_targets([args.target]).items()
     for what, p in (("target", path), ("draft", args.draft)):
-        if not os.path.isdir(p):
+        if not os.path.exists(p):  # a model dir or a .gguf file
             raise S2DError(f"{what} dir {p} does not exist")
     gammas, stops = _validate(args)
 

@@ -3,7 +3,11 @@
     python -m infer.convert hf-to-orbax --src HF_DIR --out CKPT [--num-layers N] [--dtype bfloat16]
     python -m infer.convert orbax-to-hf --src CKPT --out HF_DIR [--tokenizer DIR]
     python -m infer.convert hf-to-hf    --src HF_DIR --out HF_DIR --num-layers N [--dtype D]
+    python -m infer.convert gguf-to-hf  --src FILE.gguf --out HF_DIR [--dtype bfloat16]
+    python -m infer.convert gguf-to-orbax --src FILE.gguf --out CKPT [--dtype bfloat16]
 
+GGUF (llama.cpp) weights are dequantized to float32 (then cast to --dtype) and the tokenizer
+and chat template are taken from the GGUF metadata unless --tokenizer is given.
 Tensors stream one at a time on the host (no accelerator needed). Output is written to a
 temp dir next to --out and renamed when complete; an existing --out needs --overwrite.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
@@ -58,13 +63,24 @@ def _parser() -> argparse.ArgumentParser:
                         description="Re-export an HF dir, e.g. its first N layers as a draft.")
     common(sp, "HF model directory", "output HF model directory")
     shards(sp)
+    for target, what in (("hf", "HF model directory"), ("orbax", "params checkpoint")):
+        sp = sub.add_parser(f"gguf-to-{target}", help=f"llama.cpp GGUF file -> {what}",
+                            description=f"GGUF file (llama architecture; F32/F16/BF16/Q8_0/"
+                                        f"Q4_0/Q4_1 and K-quant tensors) -> {what}, with the "
+                                        f"tokenizer and chat template from its metadata.")
+        common(sp, "GGUF file", f"output {what}")
+        if target == "hf":
+            shards(sp)
     return p
 
 
 @cli_main
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if not os.path.isdir(args.src):
+    from_gguf = args.command.startswith("gguf-")
+    if from_gguf and not os.path.isfile(args.src):
+        raise S2DError(f"--src {args.src} is not a file; pass a .gguf model file")
+    if not from_gguf and not os.path.isdir(args.src):
         raise S2DError(f"--src {args.src} is not a directory")
     if os.path.lexists(args.out) and not args.overwrite:
         raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
@@ -73,7 +89,7 @@ def main(argv=None) -> int:
     tokenizer_dir = args.tokenizer
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
-    if tokenizer_dir is None and has_tokenizer(args.src):
+    if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):
         tokenizer_dir = args.src  # carry the source's tokenizer along
     if getattr(args, "max_shard_gb", 1.0) <= 0:
         raise S2DError("--max-shard-gb must be > 0")
@@ -88,6 +104,8 @@ def main(argv=None) -> int:
 
 
 def _convert(args, tokenizer_dir):
+    if args.command.startswith("gguf-"):
+        return _convert_gguf(args, tokenizer_dir)
     if args.command == "hf-to-orbax":
         cfg, params, extra = load_hf(args.src, args.num_layers, args.dtype, host=True)
         save_params(args.out, params, cfg, extra, overwrite=args.overwrite,
@@ -99,6 +117,25 @@ def _convert(args, tokenizer_dir):
             cfg, params, extra = load_hf(args.src, args.num_layers, args.dtype, host=True)
         export_hf(params, cfg, args.out, extra, tokenizer_dir=tokenizer_dir,
                   max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+    return cfg
+
+
+def _convert_gguf(args, tokenizer_dir):
+    """Checks the whole file (metadata, tensor names, shapes, types) before writing."""
+    from s2d_jax.io.gguf import load_gguf, read_gguf_config, save_gguf_tokenizer
+
+    read_gguf_config(args.src)
+    with tempfile.TemporaryDirectory() as tok_tmp:
+        if tokenizer_dir is None:
+            save_gguf_tokenizer(args.src, tok_tmp)
+            tokenizer_dir = tok_tmp
+        cfg, params, extra = load_gguf(args.src, args.num_layers, args.dtype, host=True)
+        if args.command == "gguf-to-orbax":
+            save_params(args.out, params, cfg, extra, overwrite=args.overwrite,
+                        tokenizer_dir=tokenizer_dir)
+        else:
+            export_hf(params, cfg, args.out, extra, tokenizer_dir=tokenizer_dir,
+                      max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
     return cfg
 
 

@@ -111,7 +111,8 @@ def read_requests(args) -> list[dict]:
 
 
 def _has_tokenizer(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json"))
+    return path.lower().endswith(".gguf") or any(  # a .gguf file carries its tokenizer
+        os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.model", "tokenizer.json"))
 
 
 def build_engine(args, targets: dict[str, str]):

@@ -38,6 +38,8 @@ SERVING_CONFIG = "s2d_serving.json"
 
 
 def serving_config_path(target_dir: str) -> str:
+    if os.path.isfile(target_dir):  # a .gguf target: next to the file
+        return f"{target_dir}.{SERVING_CONFIG}"
     return os.path.join(target_dir, SERVING_CONFIG)
 
 

@@ -196,7 +196,7 @@ def _is_shape(x) -> bool:
 
 def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=None
                ) -> tuple[ModelConfig, dict, dict]:
-    """(cfg, params, extra) from an HF model dir or a params checkpoint dir.
+    """(cfg, params, extra) from an HF model dir, a params checkpoint dir or a GGUF file.
 
     num_layers: keep the first N decoder layers (draft init from a target). dtype: cast the
     params and use it as compute dtype too (cfg.dtype = cfg.param_dtype = dtype); default
@@ -204,11 +204,14 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     (e.g. `logical_to_sharding(param_axes(cfg), mesh)`); default one local device.
     extra: non-ModelConfig settings such as a draft's `s2d_exits`.
     """
-    from s2d_jax.io import hf  # hf imports this module (atomic_output_dir
+    from s2d_jax.io import gguf, hf  # both import this module (atomic_output_dir, ...)
 
+    if gguf.is_gguf(path):
+        return gguf.load_gguf(path, num_layers, dtype, shardings)
     if not os.path.isdir(path):
-        raise S2DError(f"model path {path} is not a directory; pass an HF model dir or a "
-                       f"checkpoint written by `python -m infer.convert hf-to-orbax`")
+        raise S2DError(f"model path {path} is not a directory; pass an HF model dir, a "
+                       f"checkpoint written by `python -m infer.convert hf-to-orbax` or a "
+                       f".gguf file")
     if is_params_checkpoint(path):
         return restore_params(path, num_layers, dtype, shardings)
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -218,7 +221,11 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
 
 
 def stored_model_config(path: str) -> ModelConfig:
-    """The ModelConfig of a params checkpoint or HF dir, without reading any weight."""
+    """The ModelConfig of a params checkpoint, HF dir or GGUF file, reading no weight."""
+    from s2d_jax.io import gguf
+
+    if gguf.is_gguf(path):
+        return gguf.read_gguf_config(path)
     if not os.path.isdir(path):
         raise S2DError(f"model path {path} is not a directory; pass an HF model dir or a "
                        f"checkpoint written by `python -m infer.convert hf-to-orbax`")

@@ -83,8 +83,15 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Load a local tokenizer directory (no hub): Llama `tokenizer.model` or `tokenizer.json`."""
+    """Load a local tokenizer directory (no hub): Llama `tokenizer.model` or `tokenizer.json`;
+    or the tokenizer in a `.gguf` file's metadata."""
     path = os.fspath(path)
+    if path.lower().endswith(".gguf"):  # a llama.cpp model file carries its tokenizer
+        from s2d_jax.io.gguf import gguf_tokenizer
+        hf = gguf_tokenizer(path)
+        pad = hf.pad_token_id if hf.pad_token_id is not None else (hf.eos_token_id or 0)
+        return Tokenizer(hf=hf, path=path, bos_id=hf.bos_token_id, eos_id=hf.eos_token_id,
+                         pad_id=pad)
     if not os.path.isdir(path) and not os.path.isabs(path):
         # Defaults such as "assets/llama2_tokenizer" name the repository's own copy.
         in_repo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)

