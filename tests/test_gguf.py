@@ -199,6 +199,37 @@ def test_config_from_metadata(tiny, tmp_path):
     assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 4.0)
 
 
+def llama_cpp_rope_factors(factor, low, high, old, head_dim, theta):
+    """convert_hf_to_gguf.py's Llama 3 `rope_freqs` tensor, loop for loop."""
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, np.float32)
+
+
+def test_rope_scaling_from_metadata(tmp_path):
+    freqs = llama_cpp_rope_factors(8.0, 1.0, 4.0, 8192, HD, 50000.0)
+    path = write_gguf(tmp_path / "l3.gguf", hf_weights(), extra=[("rope_freqs.weight", freqs,
+                                                                   None)])
+    rs = stored_model_config(path).rope_scaling
+    assert (rs.rope_type, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+            rs.original_max_position_embeddings) == ("llama3", 8.0, 1.0, 4.0, 8192)
+    odd = write_gguf(tmp_path / "odd.gguf", hf_weights(), extra=[("rope_freqs.weight",
+                                                                   freqs[::-1].copy(), None)])
+    with pytest.raises(S2DError, match="rope factors match no Llama 3"):
+        stored_model_config(odd)
+    yarn = write_gguf(tmp_path / "yarn.gguf", hf_weights(), rope_scaling=("yarn", 4.0))
+    with pytest.raises(S2DError, match="rope scaling type 'yarn' is not supported"):
+        stored_model_config(yarn)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_params_match_weights_and_reference_dequantization(tied, tmp_path):
     weights = hf_weights(tied=tied, seed=2)

@@ -21,6 +21,8 @@ import dataclasses
 import os
 from typing import Iterator
 
+import gguf  # the PyPI package (llama.cpp's gguf-py), not this module
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -28,7 +30,7 @@ from s2d_jax.config import ModelConfig, RopeScaling
 from s2d_jax.errors import S2DError
 from s2d_jax.io.checkpoint import normalize_dtype
 from s2d_jax.io.gguf_quants import SUPPORTED_TYPES, dequantize
-from s2d_jax.io.hf import _our_shape, active_rows, get_path, set_path, to_ours
+from s2d_jax.io.hf import _hf_shape, _our_shape, active_rows, get_path, set_path, to_ours
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
@@ -71,8 +73,6 @@ class GGUFFile:
     """An opened, checked GGUF file: metadata by key and tensors by name."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = path = os.fspath(path)
         if not os.path.isfile(path):
             raise S2DError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
@@ -120,9 +120,9 @@ def _rope_scaling(f: GGUFFile, arch: str, head_dim: int, theta: float) -> RopeSc
     factor = f.get(f"{arch}.rope.scaling.factor", f.get(f"{arch}.rope.scale_linear"))
     if ROPE_FREQS in f.tensors:
         return _llama3_scaling(f, head_dim, theta)
-    if kind == "none" and factor in (None, 1.0):
-        return RopeScaling()
-    if kind in ("linear", "none"):
+    if kind in ("none", "linear"):  # old files give only rope.scale_linear, no type
+        if factor is None or float(factor) == 1.0:
+            return RopeScaling()
         return RopeScaling(rope_type="linear", factor=float(factor))
     raise S2DError(f"{f.path}: rope scaling type {kind!r} is not supported (only linear and "
                    f"Llama 3.1 scaling); use a model without it")
@@ -181,20 +181,13 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
     )
 
 
-def _hf_shape(cfg: ModelConfig, path: str) -> tuple[int, ...]:
-    row = next(r for r in active_rows(cfg) if r.ours == path)
-    shape = _our_shape(cfg, row)
-    if row.n_in is None:
-        return shape
-    return (int(np.prod(shape[row.n_in:])), int(np.prod(shape[:row.n_in])))
-
-
 def _check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     """Fail before reading any data: missing, unknown, misshapen or undecodable tensors."""
     expected = {}
     for row in active_rows(cfg):
         for i in range(cfg.num_layers) if row.stacked else [None]:
-            expected[GGUF_NAMES[row.ours].format(i=i)] = _hf_shape(cfg, row.ours)
+            expected[GGUF_NAMES[row.ours].format(i=i)] = _hf_shape(_our_shape(cfg, row),
+                                                                   row.n_in)
     missing = [n for n in expected if n not in f.tensors]
     if missing:
         raise S2DError(f"{f.path} has no tensor {missing[0]} (of {len(missing)} missing); "
@@ -282,8 +275,6 @@ def load_gguf(path: str, num_layers: int | None = None, dtype=None, shardings=No
               host: bool = False) -> tuple[ModelConfig, dict, dict]:
     """(cfg, params, extra) from a GGUF file; each param goes to its devices when read
     (`shardings`: params-shaped tree of Shardings), or stays numpy if `host`."""
-    import jax
-
     cfg, extra, stream = iter_gguf_params(path, num_layers, dtype)
     params: dict = {}
     for p, arr in stream:
@@ -301,7 +292,7 @@ def gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     f = GGUFFile(path)  # one clear error for a bad file before transformers sees it
-    if f.get("tokenizer.ggml.tokens") is None:
+    if f.reader.get_field("tokenizer.ggml.tokens") is None:
         raise S2DError(f"{path} has no tokenizer (no tokenizer.ggml.tokens); pass --tokenizer "
                        f"DIR with the model's tokenizer files")
     path = os.path.abspath(path)
