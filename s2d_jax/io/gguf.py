@@ -177,7 +177,6 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         tie_word_embeddings=GGUF_NAMES["lm_head"] not in f.tensors,
         bos_token_id=int(f.get("tokenizer.ggml.bos_token_id", 1)),
         eos_token_id=int(f.get("tokenizer.ggml.eos_token_id", 2)),
-        name=str(f.get("general.name", "llama")),
     )
 
 
