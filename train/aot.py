@@ -1,6 +1,6 @@
 """Lower and compile a SoFT training step ahead of time on abstract shapes; print memory.
 
-    python -m train.aot --fake-devices 8 --config configs/train/vicuna7b_soft.yaml \
+    python -m train.aot --fake-devices 8 --config configs/train/vicuna7b_soft.yaml \\
         --target configs/models/vicuna-7b-v1.5.yaml [key=value ...]
 
 No weights are read or allocated: the target's config (a model YAML or an HF dir /
