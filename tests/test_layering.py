@@ -10,8 +10,12 @@ dependency). s2d_jax never imports the entry points (`infer`, top-level `train`)
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import pathlib
+import re
+import sys
+import tomllib
 
 import pytest
 
@@ -137,3 +141,63 @@ def test_real_tree_is_the_one_checked():
     seen = {p.relative_to(ROOT / PACKAGE).parts[0] for p in (ROOT / PACKAGE).rglob("*.py")}
     assert {"decode", "model", "io", "bench", "errors.py", "__init__.py"} <= seen
     assert os.path.isfile(ROOT / PACKAGE / "decode" / "engine.py")
+
+
+# --- every third-party import is declared in pyproject.toml --------------------------------
+
+LOCAL = {"s2d_jax", "infer", "train", "examples", "tiny_models", "conftest", "__future__"}
+
+
+def _dist(requirement: str) -> str:
+    name = re.split(r"[<>=!~\[; ]", requirement.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _declared() -> dict[str, set[str]]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    groups = {"core": {_dist(r) for r in project["dependencies"]}}
+    for extra, reqs in project.get("optional-dependencies", {}).items():
+        groups[extra] = {_dist(r) for r in reqs}
+    return groups
+
+
+def _third_party_imports(folder: str):
+    """(file, line, top-level module, at module level?) of every non-local, non-stdlib import."""
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module_level = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in LOCAL or top in sys.stdlib_module_names or top.startswith("test_"):
+                    continue
+                yield path.relative_to(ROOT), node.lineno, top, id(node) in module_level
+
+
+@pytest.mark.parametrize("folder, allowed_groups", [
+    ("s2d_jax", ("core", "bench")), ("infer", ("core", "bench")), ("train", ("core", "bench")),
+    ("examples", ("core", "bench")), ("tests", ("core", "bench", "test"))])
+def test_every_import_is_declared(folder, allowed_groups):
+    """Module-level imports of the library and CLIs need only the core install (torch and
+    matplotlib stay optional: imported inside the functions that use them)."""
+    groups = _declared()
+    dists = importlib.metadata.packages_distributions()
+    problems = []
+    for rel, line, top, at_module_level in _third_party_imports(folder):
+        provided = {_dist(d) for d in dists.get(top, [top])}
+        need = ("core",) if at_module_level and folder != "tests" else allowed_groups
+        if not provided & set().union(*(groups.get(g, set()) for g in need)):
+            problems.append(f"{rel}:{line}: import {top} (distribution {sorted(provided)}) is "
+                            f"not in pyproject.toml's {' / '.join(need)} dependencies")
+    assert not problems, "\n".join(problems)
+
+
+def test_core_install_has_no_torch_or_matplotlib():
+    assert not {"torch", "matplotlib"} & _declared()["core"]

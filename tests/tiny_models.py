@@ -17,7 +17,9 @@ def numpy_params(cfg, seed=0, std=0.05, norm_jitter=0.0, host=False):
 
     def leaf(path, x):
         if "norm" in jax.tree_util.keystr(path):
-            value = 1.0 + rng.uniform(-norm_jitter, norm_jitter, x.shape)
+            # no draw without jitter, so the other leaves' values do not depend on it
+            value = (1.0 + rng.uniform(-norm_jitter, norm_jitter, x.shape) if norm_jitter
+                     else np.ones(x.shape))
         else:
             value = std * rng.standard_normal(x.shape)
         return to_array(value.astype(x.dtype))
