@@ -17,17 +17,8 @@ import argparse
 import dataclasses
 import os
 
+from infer.args import add_fake_devices_flag, fake_cpu_devices, parse_ints
 from s2d_jax.errors import S2DError, cli_main
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or min(out) < 1:
-        raise S2DError(f"cannot parse {flag} {text!r}; give positive integers, e.g. 1,8")
-    return out
 
 
 def _parse(argv):
@@ -46,8 +37,7 @@ def _parse(argv):
                    "(default: context / 4)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     p.add_argument("--device-memory", default="h100-80gb")
-    p.add_argument("--fake-devices", type=int, default=0,
-                   help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
+    add_fake_devices_flag(p)
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
     p.add_argument("--raw-cpu-passes", action="store_true",
@@ -72,13 +62,9 @@ def main(argv=None):
     args = _parse(argv)
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
-    batches = _ints(args.batch, "--batch")
-    exits = _ints(args.exits, "--exits") if args.exits else None
-    if args.fake_devices:
-        # XLA reads this when the CPU backend starts (first device query).
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.fake_devices}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    batches = parse_ints(args.batch, "--batch", minimum=1)
+    exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
+    fake_cpu_devices(args.fake_devices)
 
     import jax
 

@@ -69,7 +69,7 @@ def parse_args(argv):
 
 
 def _check_args(args):
-    from infer.generate import _floats, parse_targets
+    from infer.args import parse_floats as _floats, parse_targets
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file

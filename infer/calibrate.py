@@ -59,7 +59,7 @@ def parse_args(argv):
 
 def _validate(args) -> tuple[list[int], list[float]]:
     """The gammas and draft stops of the command line, or a one-line error."""
-    from infer.generate import _ints
+    from infer.args import parse_ints as _ints
     gammas = sorted(set(_ints(args.gammas)))
     if not gammas or min(gammas) < 1:
         raise S2DError(f"--gammas must be positive integers, got {args.gammas}")
@@ -286,7 +286,7 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
-    from infer.generate import parse_targets
+    from infer.args import parse_targets
     (name, path), = parse_targets([args.target]).items()
     for what, p in (("target", path), ("draft", args.draft)):
         if not os.path.exists(p):  # a model dir or a .gguf file

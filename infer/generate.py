@@ -16,24 +16,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 
+from infer.args import parse_floats, parse_ints, parse_targets
 from s2d_jax.decode.state import METHODS
 from s2d_jax.errors import S2DError, cli_main
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise S2DError(f"cannot parse {text!r} as comma-separated numbers, e.g. 0.6,0.4,0")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise S2DError(f"cannot parse {text!r} as comma-separated integers, e.g. 6,9,12")
 
 
 def parse_args(argv):
@@ -88,20 +74,6 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def parse_targets(specs: list[str]) -> dict[str, str]:
-    targets = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep:
-            name, path = os.path.basename(os.path.normpath(spec)), spec
-        if not name or not path:
-            raise S2DError(f"bad --target {spec!r}; use PATH or NAME=PATH")
-        if name in targets:
-            raise S2DError(f"target name {name!r} given twice; name them NAME=PATH")
-        targets[name] = path
-    return targets
-
-
 def read_requests(args) -> list[dict]:
     if args.prompt is not None:
         return [{"question_id": 0, "category": None, "text": args.prompt}]
@@ -121,7 +93,7 @@ def build_engine(args, targets: dict[str, str]):
     from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer or next(iter(targets.values())))
-    thresholds = _floats(args.thresholds) if args.thresholds else None
+    thresholds = parse_floats(args.thresholds, "--thresholds") if args.thresholds else None
     mesh, shardings = _mesh_and_shardings(args, targets)
     specs = {}
     for name, path in targets.items():
@@ -144,7 +116,7 @@ def build_engine(args, targets: dict[str, str]):
         if args.method == "sd":
             exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
         else:
-            exits = (_ints(args.exits) if args.exits else
+            exits = (parse_ints(args.exits, "--exits") if args.exits else
                      extra.get("s2d_exits") or [draft_cfg.num_layers])
             if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
                 from s2d_jax.bench.calibrate import load_serving_config
@@ -168,7 +140,7 @@ def build_engine(args, targets: dict[str, str]):
             else:
                 s.thresholds = [0.5] * (len(exits) - 1) + [0.0]
     intermediates = _load_intermediates(args, specs)
-    mus = _ints(args.mu) if args.mu else None
+    mus = parse_ints(args.mu, "--mu") if args.mu else None
     engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,
                     intermediates=intermediates, mus=mus,
                     method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence,
@@ -188,8 +160,9 @@ def _load_intermediates(args, specs) -> list:
     if args.method not in ("sd", "s2d", "self"):
         raise S2DError(f"method {args.method} has no draft to chain; use --method s2d")
     n_levels = len(args.intermediate) or 1
-    if args.mu and len(_ints(args.mu)) != n_levels:
-        raise S2DError(f"--mu has {len(_ints(args.mu))} value(s) for {n_levels} intermediate "
+    n_mus = len(parse_ints(args.mu, "--mu")) if args.mu else n_levels
+    if n_mus != n_levels:
+        raise S2DError(f"--mu has {n_mus} value(s) for {n_levels} intermediate "
                        f"level(s); pass one mu per intermediate")
     if args.mesh and args.quantize_intermediate:
         raise S2DError("--quantize-intermediate does not support --mesh yet; drop one of them")
@@ -221,20 +194,6 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
     cfgs = {key: stored_model_config(path) for key, path in paths.items()}
     mesh = build_mesh(parse_mesh(args.mesh), cfgs)
     return mesh, lambda key: param_shardings(cfgs[key], mesh)
-
-
-def _write_jsonl_atomic(path: str, rows: list[dict]) -> None:
-    out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".generate-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 @cli_main
@@ -292,7 +251,8 @@ def main(argv=None):
                 if row["target"] == name:
                     row["stats"]["time_split"] = split
     if args.out:
-        _write_jsonl_atomic(args.out, rows)
+        from s2d_jax.io.atomic import write_atomic
+        write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
     for row in rows:  # statistics on stderr (a streamed text is already on stdout)
         s = row["stats"]
         speed = s.get("batch_tokens_per_s")

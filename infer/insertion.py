@@ -24,20 +24,13 @@ import argparse
 import json
 import os
 
+from infer.args import parse_floats
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _numbers(flag: str, text: str | None) -> list[float] | None:
-    if text is None:
-        return None
-    try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise S2DError(f"{flag} {text!r} is not comma-separated numbers, e.g. 0.012,0.001")
-    if not vals:
-        raise S2DError(f"{flag} is empty; give comma-separated numbers")
-    return vals
+    return None if text is None else parse_floats(text, flag, nonempty=True)
 
 
 def _number(flag: str, text: str | None) -> float | None:

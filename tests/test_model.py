@@ -12,8 +12,9 @@ import pytest
 
 from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
 from s2d_jax.model.kvcache import init_cache
-from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
+from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits,
                            run_layers)
+from tiny_models import numpy_params
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
 CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=6,
@@ -21,14 +22,8 @@ CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layer
                   rope_scaling=RopeScaling("linear", 2.0))
 
 
-def random_params(cfg, seed=0):
-    """Random params from numpy (no per-leaf jax.random compiles); norms around 1."""
-    rng = np.random.RandomState(seed)
-    return jax.tree.map_with_path(
-        lambda path, shape: jnp.asarray(
-            (rng.uniform(0.5, 1.5, shape) if "norm" in jax.tree_util.keystr(path)
-             else 0.2 * rng.randn(*shape)).astype(np.float32)),
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+# norms around 1 (not ones), so a norm weight that is dropped or misapplied shows
+random_params = functools.partial(numpy_params, std=0.2, norm_jitter=0.5)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5))

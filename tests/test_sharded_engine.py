@@ -23,6 +23,7 @@ from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.decode.serving import Engine, TargetSpec
 from s2d_jax.parallel.mesh import MeshConfig
+import tiny_models
 
 # 16 query heads over 8 kv heads: both divisible by tensor=8 and tensor=4.
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -37,15 +38,8 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 KW = dict(draft_cfg=DCFG, target_cfg=CFG, spec=SPEC)
 
 
-def numpy_params(cfg, seed, std=0.5):
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, x):
-        if "norm" in jax.tree_util.keystr(path):
-            return np.ones(x.shape, x.dtype)
-        return (std * rng.standard_normal(x.shape)).astype(x.dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
+# numpy arrays (placed with explicit shardings later); large weights make decisive logits
+numpy_params = functools.partial(tiny_models.numpy_params, std=0.5, host=True)
 
 
 @functools.lru_cache(maxsize=None)

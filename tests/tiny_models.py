@@ -7,15 +7,22 @@ import numpy as np
 from s2d_jax.model import transformer as model
 
 
-def numpy_params(cfg, seed=0, std=0.05):
-    """Random params like model.init_params, drawn with numpy (compiling the jitted
-    threefry init takes seconds on this CPU; numpy takes milliseconds). Norms are ones."""
+def numpy_params(cfg, seed=0, std=0.05, norm_jitter=0.0, host=False):
+    """Random params shaped like model.init_params, drawn with numpy (compiling the jitted
+    threefry init takes seconds on this CPU; numpy takes milliseconds): weights
+    N(0, std^2), norm weights uniform in [1 - norm_jitter, 1 + norm_jitter] (ones by
+    default). host=True returns numpy arrays (to place with explicit shardings later)."""
     rng = np.random.default_rng(seed)
+    to_array = np.asarray if host else jnp.asarray
 
     def leaf(path, x):
         if "norm" in jax.tree_util.keystr(path):
-            return jnp.ones(x.shape, x.dtype)
-        return jnp.asarray(std * rng.standard_normal(x.shape), x.dtype)
+            # no draw without jitter, so the other leaves' values do not depend on it
+            value = (1.0 + rng.uniform(-norm_jitter, norm_jitter, x.shape) if norm_jitter
+                     else np.ones(x.shape))
+        else:
+            value = std * rng.standard_normal(x.shape)
+        return to_array(value.astype(x.dtype))
 
     return jax.tree_util.tree_map_with_path(leaf, model.abstract_params(cfg))
 

@@ -1,6 +1,6 @@
 """Lower and compile a SoFT training step ahead of time on abstract shapes; print memory.
 
-    python -m train.aot --fake-devices 8 --config configs/train/vicuna7b_soft.yaml \
+    python -m train.aot --fake-devices 8 --config configs/train/vicuna7b_soft.yaml \\
         --target configs/models/vicuna-7b-v1.5.yaml [key=value ...]
 
 No weights are read or allocated: the target's config (a model YAML or an HF dir /
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from infer.args import add_fake_devices_flag, fake_cpu_devices
 from s2d_jax.errors import S2DError, cli_main
 
 GIB = 2**30
@@ -24,8 +25,7 @@ def _parse(argv):
     p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
     p.add_argument("--target", default=None,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
-    p.add_argument("--fake-devices", type=int, default=0,
-                   help="fake N CPU devices (sets XLA_FLAGS before JAX is imported)")
+    add_fake_devices_flag(p)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     return p.parse_args(argv)
 
@@ -33,12 +33,7 @@ def _parse(argv):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
-    if args.fake_devices:
-        # XLA reads this when the CPU backend starts (first device query), so it must be
-        # set before anything touches jax.devices().
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.fake_devices}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    fake_cpu_devices(args.fake_devices)  # before anything touches jax.devices()
 
     import jax
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from s2d_jax.errors import S2DError, cli_main
+from infer.args import parse_ints
+from s2d_jax.errors import cli_main
 
 
 def _parse(argv):
@@ -48,10 +49,7 @@ def main(argv=None):
     cfg = (load_model_config(args.model) if args.model else
            ModelConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_layers=12,
                        num_heads=4, num_kv_heads=4, name="bench-proxy"))
-    try:
-        exits = tuple(int(e) for e in args.exits.split(","))
-    except ValueError:
-        raise S2DError(f"--exits {args.exits!r} is not a comma-separated list of integers")
+    exits = tuple(parse_ints(args.exits, "--exits"))
     validate_exits(exits, cfg.num_layers)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), 1000)

@@ -8,10 +8,9 @@ tokens mirror Llama's: <unk>=0, <s>=1 (BOS), </s>=2 (EOS).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 from s2d_jax.errors import S2DError
+from s2d_jax.io.atomic import atomic_output_dir
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
@@ -39,15 +38,6 @@ def train_bpe(corpus_paths: list[str], vocab_size: int, out_dir: str,
     tok.train(list(corpus_paths), trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                  eos_token="</s>")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tok-", dir=parent)
-    try:
+    with atomic_output_dir(out_dir, overwrite=True) as tmp:  # existence checked above
         hf.save_pretrained(tmp)
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
     return out_dir

@@ -27,11 +27,11 @@ import dataclasses
 import json
 import os
 import re
-import tempfile
 import time
 
 from examples.demo_family.questions import make_question_sets
 from s2d_jax.errors import S2DError
+from s2d_jax.io.atomic import write_atomic
 
 STAGES = ("tokenizer", "targets", "mixture", "draft", "eval", "all")
 TARGETS = ("s", "m", "l")
@@ -173,31 +173,18 @@ def split_paragraphs(paras: list[str]) -> tuple[list[str], list[str]]:
     return paras[:n_train], paras[n_train:]
 
 
-def _write_text(path: str, text: str) -> None:
-    """Write via a temp file + rename, so a crash never leaves half a file at `path`."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp) if os.path.exists(tmp) else None
-        raise
-
-
 def stage_tokenizer(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) -> dict:
     from examples.demo_family.bpe import train_bpe
 
     paras = read_paragraphs(paths.corpus, smoke.paragraphs if smoke else None)
     train, held_out = split_paragraphs(paras)
-    _write_text(paths.train_split, "\n\n".join(train) + "\n")
-    _write_text(paths.heldout_split, "\n\n".join(held_out) + "\n")
+    write_atomic(paths.train_split, "\n\n".join(train) + "\n")
+    write_atomic(paths.heldout_split, "\n\n".join(held_out) + "\n")
     vocab = smoke.vocab_size if smoke else VOCAB_SIZE
     train_bpe([paths.train_split], vocab, paths.tokenizer, overwrite=True)
     questions, dev = make_question_sets(held_out, *((2, 1) if smoke else ()))
-    _write_text(paths.questions, "".join(json.dumps(q) + "\n" for q in questions))
-    _write_text(paths.calibration, "".join(json.dumps(q) + "\n" for q in dev))
+    write_atomic(paths.questions, "".join(json.dumps(q) + "\n" for q in questions))
+    write_atomic(paths.calibration, "".join(json.dumps(q) + "\n" for q in dev))
     log(f"[tokenizer] {len(train)} train / {len(held_out)} held-out paragraphs, vocab {vocab}, "
         f"{len(questions)} prompts -> {paths.questions}, {len(dev)} -> {paths.calibration}")
     return {"train_paragraphs": len(train), "heldout_paragraphs": len(held_out),
@@ -302,7 +289,7 @@ def stage_mixture(paths: FamilyPaths, smoke: SmokeSettings | None, log=print) ->
     texts = generate_mixture(targets, prompts,
                              max_new_tokens=8 if smoke else MIXTURE_NEW_TOKENS, log=log)
     paras = [t.strip("\n") for ts in texts.values() for t in ts]
-    _write_text(paths.mixture, "\n\n".join(paras) + "\n")
+    write_atomic(paths.mixture, "\n\n".join(paras) + "\n")
     log(f"[mixture] {len(paras)} texts, {sum(map(len, paras))} characters -> {paths.mixture}")
     return {"mixture": {"prompts": len(prompts), "texts": len(paras),
                         "characters": sum(map(len, paras))}}
@@ -402,7 +389,7 @@ def build_family(paths: FamilyPaths, stage: str = "all", overwrite: bool = False
     report["total_bytes"] = total
     log(f"done in {report['seconds']:.0f}s; {len(models)} model dirs in {paths.out}: "
         f"{total / 1e6:.1f} MB")
-    _write_text(os.path.join(paths.run_dir, f"report-{stage}.json"),
+    write_atomic(os.path.join(paths.run_dir, f"report-{stage}.json"),
                 json.dumps(report, indent=2) + "\n")
     return report
 

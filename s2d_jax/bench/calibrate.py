@@ -65,7 +65,7 @@ def load_serving_config(target_dir: str) -> dict | None:
 
 
 def write_serving_config(target_dir: str, cfg: dict) -> str:
-    from s2d_jax.bench.report import write_atomic
+    from s2d_jax.io.atomic import write_atomic
     path = serving_config_path(target_dir)
     write_atomic(path, json.dumps(cfg, indent=2) + "\n")
     return path

@@ -5,23 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 
-
-def write_atomic(path: str, text: str | bytes) -> None:
-    out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".bench-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode() if isinstance(text, str) else text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+from s2d_jax.io.atomic import write_atomic
 
 
 def _fmt(x, digits=2, suffix=""):

@@ -10,12 +10,10 @@ Restoring takes target shardings, so each shard is read straight onto its device
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import tempfile
 
 import jax
 import numpy as np
@@ -23,6 +21,7 @@ import orbax.checkpoint as ocp
 
 from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
 from s2d_jax.errors import S2DError
+from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.model.transformer import param_shapes
 
 SIDECAR = "s2d_config.json"
@@ -39,44 +38,6 @@ def normalize_dtype(dtype) -> str:
     if name not in DTYPES:
         raise S2DError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return name
-
-
-def _make_readable(root: str) -> None:
-    """mkdtemp creates 0700 dirs; give the finished output the usual 0755/0644 modes."""
-    os.chmod(root, 0o755)
-    for d, dirs, files in os.walk(root):
-        for name in dirs:
-            os.chmod(os.path.join(d, name), 0o755)
-        for name in files:
-            os.chmod(os.path.join(d, name), 0o644)
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str, overwrite: bool = False):
-    """Yield a temp dir next to `out_dir`; rename it to `out_dir` only if the block succeeds.
-
-    A failure leaves nothing at `out_dir`; an existing `out_dir` is replaced only with
-    `overwrite=True`, and only once the new one is complete.
-    """
-    out = os.path.abspath(out_dir)
-    if os.path.lexists(out) and not overwrite:
-        raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _make_readable(tmp)
-    if os.path.lexists(out):
-        old = tmp + ".old"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
-    else:
-        os.rename(tmp, out)
 
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
@@ -102,6 +63,23 @@ def has_tokenizer(directory: str) -> bool:
 
 def is_params_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SIDECAR))
+
+
+def checkpoint_kind(path: str) -> str:
+    """'gguf' (a .gguf file), 'params' (orbax params checkpoint) or 'hf' (HF model dir);
+    S2DError for anything else. The one place that tells the model formats apart."""
+    if str(path).lower().endswith(".gguf"):
+        return "gguf"
+    if not os.path.isdir(path):
+        raise S2DError(f"model path {path} is not a directory; pass an HF model dir, a "
+                       f"checkpoint written by `python -m infer.convert hf-to-orbax` or a "
+                       f".gguf file")
+    if is_params_checkpoint(path):
+        return "params"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    raise S2DError(f"{path} holds neither {SIDECAR} (params checkpoint) nor config.json "
+                   f"(HF model); pass a model directory")
 
 
 def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None = None,
@@ -204,31 +182,23 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     (e.g. `logical_to_sharding(param_axes(cfg), mesh)`); default one local device.
     extra: non-ModelConfig settings such as a draft's `s2d_exits`.
     """
-    from s2d_jax.io import gguf, hf  # both import this module (atomic_output_dir, ...)
+    from s2d_jax.io import gguf, hf  # both import this module: import them when called
 
-    if gguf.is_gguf(path):
+    kind = checkpoint_kind(path)
+    if kind == "gguf":
         return gguf.load_gguf(path, num_layers, dtype, shardings)
-    if not os.path.isdir(path):
-        raise S2DError(f"model path {path} is not a directory; pass an HF model dir, a "
-                       f"checkpoint written by `python -m infer.convert hf-to-orbax` or a "
-                       f".gguf file")
-    if is_params_checkpoint(path):
+    if kind == "params":
         return restore_params(path, num_layers, dtype, shardings)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return hf.load_hf(path, num_layers, dtype, shardings)
-    raise S2DError(f"{path} holds neither {SIDECAR} (params checkpoint) nor config.json "
-                   f"(HF model); pass a model directory")
+    return hf.load_hf(path, num_layers, dtype, shardings)
 
 
 def stored_model_config(path: str) -> ModelConfig:
     """The ModelConfig of a params checkpoint, HF dir or GGUF file, reading no weight."""
-    from s2d_jax.io import gguf
+    from s2d_jax.io import gguf  # gguf imports this module: import it when called
 
-    if gguf.is_gguf(path):
+    kind = checkpoint_kind(path)
+    if kind == "gguf":
         return gguf.read_gguf_config(path)
-    if not os.path.isdir(path):
-        raise S2DError(f"model path {path} is not a directory; pass an HF model dir or a "
-                       f"checkpoint written by `python -m infer.convert hf-to-orbax`")
-    if is_params_checkpoint(path):
+    if kind == "params":
         return read_params_config(path)[0]
     return read_hf_config(path)

@@ -20,7 +20,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from s2d_jax.io.checkpoint import atomic_output_dir, normalize_dtype, tokenizer_files
+from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.checkpoint import normalize_dtype, tokenizer_files
 from s2d_jax.config import ModelConfig, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf_files import WeightSource, write_safetensors

@@ -48,11 +48,9 @@ def resolve_draft(tc: TrainConfig):
     if os.path.isfile(path) and path.endswith((".yaml", ".yml")):
         cfg = _with_dtypes(load_model_config(path, tc.model.overrides), tc)
         return cfg, tc.draft.resolved_exits(cfg.num_layers), None
-    from s2d_jax.io.checkpoint import is_params_checkpoint, read_params_config
-    if os.path.isdir(path) and is_params_checkpoint(path):
-        full, _ = read_params_config(path)
-    else:
-        full = read_hf_config(path)  # raises S2DError when there is no config.json
+    from s2d_jax.io.checkpoint import stored_model_config
+    # a dir is a params checkpoint or an HF dir; a file is an HF config.json
+    full = stored_model_config(path) if os.path.isdir(path) else read_hf_config(path)
     cfg, exits = draft_of_target(full, tc)
     return cfg, exits, path
 

@@ -1,0 +1,72 @@
+"""Atomic outputs: a file or a directory appears complete at its path or not at all.
+
+Everything the project writes (checkpoints, HF dirs, tokenizers, JSONL, reports, serving
+configs) goes through these two helpers, so an interrupted run never leaves half an output
+and an existing one is replaced only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from s2d_jax.errors import S2DError
+
+
+def _make_readable(root: str) -> None:
+    """mkdtemp / mkstemp create 0700 / 0600 entries; give outputs the usual 0755 / 0644."""
+    if os.path.isfile(root):
+        os.chmod(root, 0o644)
+        return
+    os.chmod(root, 0o755)
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(d, name), 0o755)
+        for name in files:
+            os.chmod(os.path.join(d, name), 0o644)
+
+
+def write_atomic(path: str, data: str | bytes) -> None:
+    """Write `data` to a temp file next to `path`, then rename it over `path`."""
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        _make_readable(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str, overwrite: bool = False):
+    """Yield a temp dir next to `out_dir`; rename it to `out_dir` only if the block succeeds.
+
+    A failure leaves nothing at `out_dir`; an existing `out_dir` is replaced only with
+    `overwrite=True`, and only once the new one is complete.
+    """
+    out = os.path.abspath(out_dir)
+    if os.path.lexists(out) and not overwrite:
+        raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _make_readable(tmp)
+    if os.path.lexists(out):
+        old = tmp + ".old"
+        os.rename(out, old)
+        os.rename(tmp, out)
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+    else:
+        os.rename(tmp, out)
