@@ -1,9 +1,11 @@
 """The one Llama-family transformer every model in s2d-jax uses.
 
-Params are a plain pytree (dict). The decoder blocks' params are stacked on a leading
-layer axis and applied with `jax.lax.scan`, so `run_layers(..., start, end)` runs any
-layer range `[start, end)` from a given hidden state: exits of a sorted draft and
-early-exit self-speculation are slices of one stack, never copies.
+It is written as Flax Linen modules (`Block`, `Transformer`) whose parameters come from
+the rows of `params.PARAMS`, each created with its logical axes; callers keep plain
+functions of a plain params dict, which apply the modules with those params. The decoder
+blocks' params are stacked on a leading layer axis and `run_layers(..., start, end)`
+scans `Block.apply` over any layer range `[start, end)` from a given hidden state: exits
+of a sorted draft and early-exit self-speculation are slices of one stack, never copies.
 
 Einsum letters: B batch, T query tokens, S key slots, D model dim, N query heads,
 K kv heads, G query heads per kv head, H head dim, F mlp hidden, V vocab, L layers.
@@ -20,8 +22,10 @@ import flax.linen as nn
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.model.rope import apply_rope, cos_sin
-from s2d_jax.model.params import BY_PATH, LAYER_PARAMS, Param, param_shapes, shape_of
+from s2d_jax.model.params import BY_PATH, LAYER_PARAMS, Param, shape_of
+from s2d_jax.model.params import param_shapes  # noqa: F401  (callers use model.param_shapes)
 from s2d_jax.parallel.mesh import logical_to_mesh_sharding
+
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     x32 = x.astype(jnp.float32)
@@ -47,11 +51,6 @@ def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
     if getattr(w, "act_bits", 0):
         return w.matmul(x).astype(dt)
     return jnp.einsum(eq, x, w.astype(dt))
-
-
-# The block and the embedding/head are Flax Linen modules applied with explicit params
-# (`module.apply({"params": ...})`); their parameters are created from the rows of
-# `params.PARAMS`, which also give the logical axes that become shardings.
 
 
 def _weight(module: nn.Module, row: Param) -> nn.Variable:
