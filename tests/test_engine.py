@@ -260,11 +260,11 @@ def test_generation_stops_when_cache_is_full():
 
 @pytest.mark.slow  # sharded compilation over 8 fake devices
 def test_sharded_generation_matches_reference():
-    from s2d_jax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh
+    from s2d_jax.parallel.mesh import MeshConfig, make_mesh
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
     dcfg, dparams = draft()
-    place = lambda cfg, p: jax.device_put(p, logical_to_sharding(model.param_axes(cfg), mesh))
+    place = lambda cfg, p: jax.device_put(p, model.param_shardings(cfg, mesh))
     dec = Decoder(CFG, place(CFG, target_params()), method="s2d", draft_cfg=dcfg,
                   draft_params=place(dcfg, dparams), exits=(1, 2, 3), gamma=3, mesh=mesh)
     out = dec.generate(PROMPTS, max_new_tokens=NEW, thresholds=[0.4] * 3, eos_id=-1)

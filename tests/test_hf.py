@@ -17,8 +17,8 @@ from s2d_jax.io.checkpoint import load_model, restore_params, save_params
 from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import init_cache
 from s2d_jax.model.transformer import forward
-from s2d_jax.model.transformer import param_axes
-from s2d_jax.parallel.mesh import MeshConfig, logical_to_sharding, make_mesh
+from s2d_jax.model.transformer import param_shardings
+from s2d_jax.parallel.mesh import MeshConfig, make_mesh
 
 TOL = 1e-4
 MAX_POS = 16
@@ -245,7 +245,7 @@ def test_orbax_round_trip_truncation_cast_and_sharding(gqa_model, tmp_path):
         load_model(str(tmp_path / "empty"))
 
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
-    shardings = logical_to_sharding(param_axes(cfg), mesh)
+    shardings = param_shardings(cfg, mesh)
     save_params(ckpt, params, cfg, overwrite=True)
     for path in (ckpt, str(root / "single")):
         _, placed, _ = load_model(path, shardings=shardings)

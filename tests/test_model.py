@@ -12,7 +12,7 @@ import pytest
 
 from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
 from s2d_jax.model.kvcache import init_cache
-from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits,
+from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
                            run_layers)
 from tiny_models import numpy_params
 
@@ -111,3 +111,42 @@ def test_vicuna_param_counts(name, billions):
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params(cfg)))
     assert total == cfg.num_params()
     assert abs(total / 1e9 - billions) < 0.01
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_init_follows_the_param_table(tied):
+    """The modules' init: exactly the table's tree and shapes, normal(std) matrices drawn
+    independently per layer, unit norms, the logical axes of each row (plus "layers")."""
+    from s2d_jax.model.params import active_params, stored_shape
+    from s2d_jax.model.transformer import init_params, logical_param_specs
+
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=tied, param_dtype="bfloat16")
+    params = init_params(cfg, jax.random.key(0), std=0.05)
+    assert jax.tree.map(lambda x: tuple(x.shape), params) == param_shapes(cfg)
+    assert ("lm_head" in params) == (not tied)
+    specs = logical_param_specs(cfg)
+    for row in active_params(cfg):
+        x = params["layers"][row.name] if row.stacked else params[row.path]
+        spec = specs["layers"][row.name] if row.stacked else specs[row.path]
+        assert x.dtype == jnp.bfloat16 and x.shape == stored_shape(row, cfg)
+        assert tuple(spec) == (("layers",) if row.stacked else ()) + row.axes
+        x = np.asarray(x, np.float32)
+        if row.init == "ones":
+            assert (x == 1).all()
+        else:
+            assert abs(x.std() - 0.05) < 0.01 and abs(x.mean()) < 0.01
+            if row.stacked:
+                assert not np.allclose(x[0], x[1])
+
+
+def test_param_shardings_follow_the_rules():
+    from jax.sharding import Mesh, PartitionSpec as P
+    from s2d_jax.model.transformer import param_shardings
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    sh = param_shardings(CFG, mesh)
+    assert sh["layers"]["wq"].spec == P(None, "fsdp", "tensor", None)
+    assert sh["layers"]["wo"].spec == P(None, "tensor", None, "fsdp")
+    assert sh["embed"].spec == P("tensor", "fsdp")
+    assert sh["lm_head"].spec == P("fsdp", "tensor")
+    assert sh["final_norm"].spec == P(None)

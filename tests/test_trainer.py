@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from s2d_jax.train.config import load_train_config
@@ -54,6 +55,11 @@ def test_one_device_and_2x2x2_mesh_agree(tmp_path, one_device_run):
     wq = sharded["state"].params["layers"]["wq"]
     assert len(wq.sharding.device_set) == 8
     assert wq.addressable_shards[0].data.shape == (4, 16, 2, 8)
+    # Adam's moments are placed like the params they belong to.
+    for moment in ("mu", "nu"):
+        m = optax.tree_utils.tree_get(sharded["state"].opt_state, moment)
+        assert m["layers"]["wq"].sharding.is_equivalent_to(wq.sharding, wq.ndim)
+        assert m["embed"].sharding.is_equivalent_to(sharded["state"].params["embed"].sharding, 2)
     assert len(sharded["history"]) == len(one_device_run["history"]) == 20
     for a, b in zip(one_device_run["history"], sharded["history"]):
         assert a["batch_fingerprint"] == b["batch_fingerprint"]

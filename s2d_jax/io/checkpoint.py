@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
-from s2d_jax.model.transformer import param_shapes
+from s2d_jax.model.params import param_shapes
 
 SIDECAR = "s2d_config.json"
 PARAMS_ITEM = "params"
@@ -179,7 +179,7 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     num_layers: keep the first N decoder layers (draft init from a target). dtype: cast the
     params and use it as compute dtype too (cfg.dtype = cfg.param_dtype = dtype); default
     keeps the stored dtype. shardings: params-shaped tree of Shardings for the returned cfg
-    (e.g. `logical_to_sharding(param_axes(cfg), mesh)`); default one local device.
+    (e.g. `model.transformer.param_shardings(cfg, mesh)`); default one local device.
     extra: non-ModelConfig settings such as a draft's `s2d_exits`.
     """
     from s2d_jax.io import gguf, hf  # both import this module: import them when called

@@ -2,7 +2,7 @@
 
 Read with `gguf.GGUFReader` (memory-mapped); each tensor is dequantized to float32
 (`gguf_quants.py`), brought from llama.cpp's layout to HF's, then to ours with the same
-`hf.NAME_MAP` rows, and written into a preallocated stacked `[L, ...]` array, so only one
+`model/params.py` rows, and written into a preallocated stacked `[L, ...]` array, so only one
 dequantized tensor exists at a time besides the output.
 
 Layout differences from HF `LlamaForCausalLM`:
@@ -30,7 +30,8 @@ from s2d_jax.config import ModelConfig, RopeScaling
 from s2d_jax.errors import S2DError
 from s2d_jax.io.checkpoint import normalize_dtype
 from s2d_jax.io.gguf_quants import SUPPORTED_TYPES, dequantize
-from s2d_jax.io.hf import _hf_shape, _our_shape, active_rows, get_path, set_path, to_ours
+from s2d_jax.io.hf import get_path, hf_shape, set_path, to_ours
+from s2d_jax.model.params import active_params, shape_of
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
@@ -183,9 +184,9 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
 def _check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     """Fail before reading any data: missing, unknown, misshapen or undecodable tensors."""
     expected = {}
-    for row in active_rows(cfg):
+    for row in active_params(cfg):
         for i in range(cfg.num_layers) if row.stacked else [None]:
-            expected[GGUF_NAMES[row.ours].format(i=i)] = _hf_shape(_our_shape(cfg, row),
+            expected[GGUF_NAMES[row.path].format(i=i)] = hf_shape(shape_of(row, cfg),
                                                                    row.n_in)
     missing = [n for n in expected if n not in f.tensors]
     if missing:
@@ -248,15 +249,15 @@ def iter_gguf_params(path: str, num_layers: int | None = None, dtype=None
     cfg = dataclasses.replace(cfg, param_dtype=dtype)
 
     def generate():
-        rows = active_rows(cfg)
+        rows = active_params(cfg)
         total = sum(cfg.num_layers if r.stacked else 1 for r in rows)
         with tqdm(total=total, desc=f"dequantize {os.path.basename(path)}", unit="tensor",
                   leave=False, disable=None) as bar:
             for row in rows:
-                shape = _our_shape(cfg, row)
+                shape = shape_of(row, cfg)
                 out = np.empty(((cfg.num_layers,) if row.stacked else ()) + shape, dtype)
                 for i in range(cfg.num_layers) if row.stacked else [None]:
-                    x = to_ours(_hf_layout(f, cfg, row.ours, GGUF_NAMES[row.ours].format(i=i)),
+                    x = to_ours(_hf_layout(f, cfg, row.path, GGUF_NAMES[row.path].format(i=i)),
                                 shape, row.n_in)
                     if i is None:
                         out[...] = x
@@ -264,7 +265,7 @@ def iter_gguf_params(path: str, num_layers: int | None = None, dtype=None
                         out[i] = x
                     del x
                     bar.update()
-                yield row.ours, out
+                yield row.path, out
                 del out
 
     return cfg, {}, generate()

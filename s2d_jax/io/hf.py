@@ -1,10 +1,11 @@
 """HF `LlamaForCausalLM` checkpoints <-> s2d-jax params, both ways, one tensor at a time.
 
-`NAME_MAP` is the whole correspondence: one row per parameter, naming the HF tensor and
-saying whether it is a linear weight (HF stores `[out, in]`; we store `[in..., out...]`
-with heads split out). Loading fills each preallocated stacked `[L, ...]` host array
-layer by layer from memory-mapped files (`hf_files.py`), so a 70B conversion never holds
-two copies; exporting walks the same rows backwards, writing one shard at a time.
+`NAME_MAP` (the rows of `model/params.py`) is the whole correspondence: one row per
+parameter, naming the HF tensor and saying whether it is a linear weight (HF stores
+`[out, in]`; we store `[in..., out...]` with heads split out). Loading fills each
+preallocated stacked `[L, ...]` host array layer by layer from memory-mapped files
+(`hf_files.py`), so a 70B conversion never holds two copies; exporting walks the same rows
+backwards, writing one shard at a time.
 """
 
 from __future__ import annotations
@@ -25,51 +26,18 @@ from s2d_jax.io.checkpoint import normalize_dtype, tokenizer_files
 from s2d_jax.config import ModelConfig, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf_files import WeightSource, write_safetensors
-from s2d_jax.model.transformer import param_shapes
+from s2d_jax.model.params import PARAMS, Param, active_params, shape_of
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorMap:
-    ours: str  # path in the params dict, "/"-separated ("layers/wq")
-    hf: str  # HF state-dict name; "{i}" is the layer index of a stacked param
-    n_in: int | None  # linear weight: number of leading input axes in our layout; None: same
-
-    @property
-    def stacked(self) -> bool:
-        return "{i}" in self.hf
-
-
-NAME_MAP = (
-    TensorMap("embed", "model.embed_tokens.weight", None),
-    TensorMap("layers/attn_norm", "model.layers.{i}.input_layernorm.weight", None),
-    TensorMap("layers/wq", "model.layers.{i}.self_attn.q_proj.weight", 1),
-    TensorMap("layers/wk", "model.layers.{i}.self_attn.k_proj.weight", 1),
-    TensorMap("layers/wv", "model.layers.{i}.self_attn.v_proj.weight", 1),
-    TensorMap("layers/wo", "model.layers.{i}.self_attn.o_proj.weight", 2),
-    TensorMap("layers/mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", None),
-    TensorMap("layers/w_gate", "model.layers.{i}.mlp.gate_proj.weight", 1),
-    TensorMap("layers/w_up", "model.layers.{i}.mlp.up_proj.weight", 1),
-    TensorMap("layers/w_down", "model.layers.{i}.mlp.down_proj.weight", 1),
-    TensorMap("final_norm", "model.norm.weight", None),
-    TensorMap("lm_head", "lm_head.weight", 1),
-)
+# The whole correspondence: one row per parameter of `model/params.py`'s table, each with
+# its HF name ("{i}" = layer index of a stacked param) and linear-weight layout (`n_in`).
+NAME_MAP = PARAMS
 # HF tensors that carry no weights we need (old checkpoints stored the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 EXTRA_PREFIX = "s2d_"  # config.json keys returned as `extra` (e.g. a draft's s2d_exits)
 
 
-def active_rows(cfg: ModelConfig) -> list[TensorMap]:
-    return [m for m in NAME_MAP if not (m.ours == "lm_head" and cfg.tie_word_embeddings)]
-
-
-def _our_shape(cfg: ModelConfig, row: TensorMap) -> tuple[int, ...]:
-    node = param_shapes(cfg)
-    for part in row.ours.split("/"):
-        node = node[part]
-    return tuple(node[1:]) if row.stacked else tuple(node)  # per layer
-
-
-def _hf_shape(our_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+def hf_shape(our_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
     if n_in is None:
         return our_shape
     return (math.prod(our_shape[n_in:]), math.prod(our_shape[:n_in]))
@@ -103,13 +71,13 @@ def read_hf_model_config(model_dir: str) -> tuple[ModelConfig, dict]:
 
 def _check_tensors(source: WeightSource, cfg: ModelConfig, full_layers: int, model_dir: str):
     """Fail before reading any data if a tensor is absent, unknown or of the wrong shape."""
-    needed = {r.hf.format(i=i) for r in active_rows(cfg) for i in range(cfg.num_layers)}
+    needed = {r.hf.format(i=i) for r in active_params(cfg) for i in range(cfg.num_layers)}
     missing = sorted(needed - set(source.names()))
     if missing:
         raise S2DError(f"{model_dir} has no tensor {missing[0]} (of {len(missing)} missing); "
                        f"the weights do not match config.json")
-    for row in active_rows(cfg):
-        want = _hf_shape(_our_shape(cfg, row), row.n_in)
+    for row in active_params(cfg):
+        want = hf_shape(shape_of(row, cfg), row.n_in)
         for i in range(cfg.num_layers) if row.stacked else [None]:
             name = row.hf.format(i=i)
             if source.shape(name) != want:
@@ -149,12 +117,12 @@ def iter_hf_params(model_dir: str, num_layers: int | None = None, dtype=None
         cfg = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype)
 
     def generate():
-        rows = active_rows(cfg)
+        rows = active_params(cfg)
         total = sum(cfg.num_layers if r.stacked else 1 for r in rows)
         with tqdm(total=total, desc=f"load {os.path.basename(model_dir.rstrip('/'))}",
                   unit="tensor", leave=False, disable=None) as bar:
             for row in rows:
-                shape = _our_shape(cfg, row)
+                shape = shape_of(row, cfg)
                 layers = range(cfg.num_layers) if row.stacked else [None]
                 out = np.empty(((cfg.num_layers,) if row.stacked else ()) + shape, dtype)
                 for i in layers:
@@ -166,7 +134,7 @@ def iter_hf_params(model_dir: str, num_layers: int | None = None, dtype=None
                         out[i] = to_ours(x, shape, row.n_in)
                     del x
                     bar.update()
-                yield row.ours, out
+                yield row.path, out
                 del out  # the consumer owns it now (on device, or kept on host)
 
     return cfg, extra, generate()
@@ -202,19 +170,19 @@ def load_hf(model_dir: str, num_layers: int | None = None, dtype=None, shardings
 
 # --- params -> HF dir -------------------------------------------------------------------
 
-def _hf_order(cfg: ModelConfig) -> Iterator[tuple[str, TensorMap, int | None]]:
+def _hf_order(cfg: ModelConfig) -> Iterator[tuple[str, Param, int | None]]:
     """(HF name, row, layer) in HF's usual order: embedding, layer by layer, norm, head."""
-    rows = active_rows(cfg)
-    yield from ((r.hf, r, None) for r in rows if r.ours == "embed")
+    rows = active_params(cfg)
+    yield from ((r.hf, r, None) for r in rows if r.path == "embed")
     for i in range(cfg.num_layers):
         yield from ((r.hf.format(i=i), r, i) for r in rows if r.stacked)
-    yield from ((r.hf, r, None) for r in rows if r.ours in ("final_norm", "lm_head"))
+    yield from ((r.hf, r, None) for r in rows if r.path in ("final_norm", "lm_head"))
 
 
 def hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array) one tensor at a time (a layer slice of a stacked param)."""
     for name, row, i in _hf_order(cfg):
-        leaf = get_path(params, row.ours)
+        leaf = get_path(params, row.path)
         yield name, to_hf(np.asarray(leaf if i is None else leaf[i]), row.n_in)
 
 
@@ -222,7 +190,7 @@ def _plan_shards(params: dict, cfg: ModelConfig, max_shard_bytes: int) -> list[l
     """Consecutive HF names in shards of at most max_shard_bytes (one tensor may exceed)."""
     shards, size = [[]], 0
     for name, row, i in _hf_order(cfg):
-        leaf = get_path(params, row.ours)
+        leaf = get_path(params, row.path)
         nbytes = math.prod(leaf.shape[1:] if row.stacked else leaf.shape) * leaf.dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
@@ -233,14 +201,14 @@ def _plan_shards(params: dict, cfg: ModelConfig, max_shard_bytes: int) -> list[l
 
 
 def _check_params(params: dict, cfg: ModelConfig) -> None:
-    for row in active_rows(cfg):
+    for row in active_params(cfg):
         try:
-            shape = tuple(get_path(params, row.ours).shape)
+            shape = tuple(get_path(params, row.path).shape)
         except (KeyError, TypeError):
-            raise S2DError(f"params have no {row.ours!r}; they do not match the model config")
-        want = ((cfg.num_layers,) if row.stacked else ()) + _our_shape(cfg, row)
+            raise S2DError(f"params have no {row.path!r}; they do not match the model config")
+        want = ((cfg.num_layers,) if row.stacked else ()) + shape_of(row, cfg)
         if shape != want:
-            raise S2DError(f"param {row.ours} has shape {shape}, config implies {want}")
+            raise S2DError(f"param {row.path} has shape {shape}, config implies {want}")
 
 
 def export_hf(params: dict, cfg: ModelConfig, out_dir: str, extra: dict | None = None,

@@ -33,10 +33,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from s2d_jax.errors import S2DError
+from s2d_jax.model.params import LAYER_PARAMS
 
 MODES = ("int8", "int4", "w8a8")
-# Number of contracted (input) axes of each quantized param, after the layer axis.
-INPUT_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# Number of contracted (input) axes of each quantized param, after the layer axis: the
+# decoder-block linear weights of the param table.
+INPUT_AXES = {row.name: row.n_in for row in LAYER_PARAMS if row.n_in}
 
 
 @struct.dataclass

@@ -1,9 +1,11 @@
 """The one Llama-family transformer every model in s2d-jax uses.
 
-Params are a plain pytree (dict). The decoder blocks' params are stacked on a leading
-layer axis and applied with `jax.lax.scan`, so `run_layers(..., start, end)` runs any
-layer range `[start, end)` from a given hidden state: exits of a sorted draft and
-early-exit self-speculation are slices of one stack, never copies.
+It is written as Flax Linen modules (`Block`, `Transformer`) whose parameters come from
+the rows of `params.PARAMS`, each created with its logical axes; callers keep plain
+functions of a plain params dict, which apply the modules with those params. The decoder
+blocks' params are stacked on a leading layer axis and `run_layers(..., start, end)`
+scans `Block.apply` over any layer range `[start, end)` from a given hidden state: exits
+of a sorted draft and early-exit self-speculation are slices of one stack, never copies.
 
 Einsum letters: B batch, T query tokens, S key slots, D model dim, N query heads,
 K kv heads, G query heads per kv head, H head dim, F mlp hidden, V vocab, L layers.
@@ -15,75 +17,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import flax.linen as nn
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.model.rope import apply_rope, cos_sin
-from s2d_jax.parallel.mesh import logical_to_sharding
-
-# Logical axis names of each parameter; sharding.py maps them to mesh axes.
-LAYER_AXES = {
-    "attn_norm": ("layers", "norm"),
-    "wq": ("layers", "embed", "heads", "head_dim"),
-    "wk": ("layers", "embed", "kv_heads", "head_dim"),
-    "wv": ("layers", "embed", "kv_heads", "head_dim"),
-    "wo": ("layers", "heads", "head_dim", "embed"),
-    "mlp_norm": ("layers", "norm"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-}
-
-
-def param_axes(cfg: ModelConfig) -> dict:
-    axes = {"embed": ("vocab", "embed"), "layers": dict(LAYER_AXES), "final_norm": ("norm",)}
-    if not cfg.tie_word_embeddings:
-        axes["lm_head"] = ("embed", "vocab")
-    return axes
-
-
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Shape of every parameter, as the same nested dict as the params."""
-    L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    shapes = {
-        "embed": (V, D),
-        "layers": {
-            "attn_norm": (L, D), "wq": (L, D, N, H), "wk": (L, D, K, H), "wv": (L, D, K, H),
-            "wo": (L, N, H, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F),
-            "w_down": (L, F, D),
-        },
-        "final_norm": (D,),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "std"))
-def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
-    """Random params (normal(std) matrices, unit norms) in `cfg.param_dtype`.
-
-    Jitted so that one compile builds every tensor (eagerly, each draw compiles its own).
-    """
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
-    dtype = jnp.dtype(cfg.param_dtype)
-    out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
-        else:
-            out.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-def abstract_params(cfg: ModelConfig) -> dict:
-    """Param shapes/dtypes as ShapeDtypeStructs, with no memory allocated."""
-    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+from s2d_jax.model.params import BY_PATH, LAYER_PARAMS, Param, shape_of
+from s2d_jax.model.params import param_shapes  # noqa: F401  (callers use model.param_shapes)
+from s2d_jax.parallel.mesh import logical_to_mesh_sharding
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -112,22 +53,125 @@ def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
     return jnp.einsum(eq, x, w.astype(dt))
 
 
-def _block(lp, h, cos, sin, cfg: ModelConfig, attend):
-    """One decoder block. `attend(k_new, v_new) -> (k_all, v_all, mask)` supplies keys."""
-    dt = h.dtype
-    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    q = dense("BTD,DNH->BTNH", x, lp["wq"], dt)
-    k = dense("BTD,DKH->BTKH", x, lp["wk"], dt)
-    v = dense("BTD,DKH->BTKH", x, lp["wv"], dt)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_all, v_all, mask, extra = attend(k, v)
-    attn = _attention(q, k_all, v_all, mask, cfg)
-    h = h + dense("BTNH,NHD->BTD", attn, lp["wo"], dt)
-    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = dense("BTD,DF->BTF", x, lp["w_gate"], dt)
-    up = dense("BTD,DF->BTF", x, lp["w_up"], dt)
-    h = h + dense("BTF,FD->BTD", jax.nn.silu(gate) * up, lp["w_down"], dt)
-    return h, extra
+def _weight(module: nn.Module, row: Param) -> nn.Variable:
+    """`row`'s parameter as a "params" variable of `module`, created at init as normal(std)
+    (drawn in float32) or ones, in cfg.param_dtype, carrying its logical axes.
+
+    A variable rather than `module.param`: at apply time a matrix may be a
+    `quantize.QuantizedWeight`, whose leaves are not shaped like the row, and `param`
+    would reject it."""
+    cfg, std = module.cfg, module.std
+
+    def init(key, shape, dtype):
+        if row.init == "ones":
+            return jnp.ones(shape, dtype)
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    boxed = nn.with_logical_partitioning(init, row.axes)
+    return module.variable("params", row.name, lambda: boxed(
+        module.make_rng("params"), shape_of(row, cfg), jnp.dtype(cfg.param_dtype)))
+
+
+class Block(nn.Module):
+    """One decoder block, params = one layer's slice of `params["layers"]`."""
+
+    cfg: ModelConfig
+    std: float = 0.02
+
+    def setup(self):
+        self.w = {row.name: _weight(self, row) for row in LAYER_PARAMS}
+
+    def weights(self) -> dict:
+        return {name: var.value for name, var in self.w.items()}
+
+    def __call__(self, h, cos, sin, attend):
+        """h [B, T, D] -> (h, extra). `attend(k_new, v_new) -> (k_all, v_all, mask, extra)`
+        supplies the keys/values attended to (and stores the new ones, with a cache)."""
+        cfg, w, dt = self.cfg, self.weights(), h.dtype
+        x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+        q = dense("BTD,DNH->BTNH", x, w["wq"], dt)
+        k = dense("BTD,DKH->BTKH", x, w["wk"], dt)
+        v = dense("BTD,DKH->BTKH", x, w["wv"], dt)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all, v_all, mask, extra = attend(k, v)
+        attn = _attention(q, k_all, v_all, mask, cfg)
+        h = h + dense("BTNH,NHD->BTD", attn, w["wo"], dt)
+        x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+        gate = dense("BTD,DF->BTF", x, w["w_gate"], dt)
+        up = dense("BTD,DF->BTF", x, w["w_up"], dt)
+        h = h + dense("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"], dt)
+        return h, extra
+
+
+class Transformer(nn.Module):
+    """The whole parameter tree: embedding, the stack of blocks (a leading "layers" axis
+    added by `nn.vmap`), and the final norm + LM head a sorted draft's exits share.
+
+    Its methods embed tokens and compute logits; the blocks run through `run_layers`,
+    which scans `Block.apply` over any layer range (a KV-cache carry, a static unroll and
+    remat policies that `nn.scan` would only re-implement)."""
+
+    cfg: ModelConfig
+    std: float = 0.02
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed = _weight(self, BY_PATH["embed"])
+        self.layers = nn.vmap(
+            Block, variable_axes={"params": 0}, split_rngs={"params": True},
+            axis_size=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"},
+            methods=["weights"])(cfg, self.std)
+        self.final_norm = _weight(self, BY_PATH["final_norm"])
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _weight(self, BY_PATH["lm_head"])
+
+    def weights(self) -> dict:
+        out = {"embed": self.embed.value, "layers": self.layers.weights(),
+               "final_norm": self.final_norm.value}
+        if not self.cfg.tie_word_embeddings:
+            out["lm_head"] = self.lm_head.value
+        return out
+
+    def embed_tokens(self, tokens):
+        return self.embed.value[tokens].astype(jnp.dtype(self.cfg.dtype))
+
+    def lm_logits(self, h):
+        x = rms_norm(h, self.final_norm.value, self.cfg.rms_norm_eps)
+        if self.cfg.tie_word_embeddings:
+            w = self.embed.value.astype(x.dtype)
+            return jnp.einsum("...D,VD->...V", x, w).astype(jnp.float32)
+        return dense("...D,DV->...V", x, self.lm_head.value, x.dtype).astype(jnp.float32)
+
+
+def _init_boxed(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Params with their logical axes attached (`nn.LogicallyPartitioned` leaves)."""
+    return Transformer(cfg, std).init(key, method=Transformer.weights)["params"]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "std"))
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
+    """Random params (normal(std) matrices, unit norms) in `cfg.param_dtype`: a plain dict.
+
+    Jitted so that one compile builds every tensor (eagerly, each draw compiles its own).
+    """
+    return nn.unbox(_init_boxed(cfg, key, std))
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+    """Param shapes/dtypes as ShapeDtypeStructs, with no memory allocated."""
+    return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
+@functools.lru_cache(maxsize=64)
+def logical_param_specs(cfg: ModelConfig) -> dict:
+    """Params-shaped tree of PartitionSpecs of logical axis names, read off the modules."""
+    boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+    return nn.get_partition_spec(boxed)
+
+
+def param_shardings(cfg: ModelConfig, mesh):
+    """Params-shaped tree of NamedShardings from the one rule table (`mesh.RULES`)."""
+    return logical_to_mesh_sharding(logical_param_specs(cfg), mesh)
 
 
 REMAT_POLICIES = {
@@ -168,6 +212,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     cos, sin = cos_sin(cfg, positions)
     layers = layer_slice(params, start, end) if layers is None else layers
     idx = jnp.arange(start, end, dtype=jnp.int32)
+    block = Block(cfg)
 
     if cache is None:
         B, T = positions.shape
@@ -179,7 +224,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
 
         def body(h, xs):
             lp, _ = xs
-            h, _ = _block(lp, h, cos, sin, cfg, lambda k, v: (k, v, mask, None))
+            h, _ = block.apply({"params": lp}, h, cos, sin, lambda k, v: (k, v, mask, None))
             return h, None
 
         if remat not in REMAT_POLICIES:
@@ -204,7 +249,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
             vc2 = vc.at[li, bidx, positions].set(v.astype(vc.dtype), mode="drop")
             return kc2[li].astype(h.dtype), vc2[li].astype(h.dtype), mask, (kc2, vc2)
 
-        h, (kc, vc) = _block(lp, h, cos, sin, cfg, attend)
+        h, (kc, vc) = block.apply({"params": lp}, h, cos, sin, attend)
         return (h, kc, vc), None
 
     (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx),
@@ -213,16 +258,12 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
 
 
 def embed_tokens(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
-    return params["embed"][tokens].astype(jnp.dtype(cfg.dtype))
+    return Transformer(cfg).apply({"params": params}, tokens, method=Transformer.embed_tokens)
 
 
 def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
     """Final norm + LM head (tied or untied) -> float32 logits [..., V]."""
-    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if cfg.tie_word_embeddings:
-        w = params["embed"].astype(x.dtype)
-        return jnp.einsum("...D,VD->...V", x, w).astype(jnp.float32)
-    return dense("...D,DV->...V", x, params["lm_head"], x.dtype).astype(jnp.float32)
+    return Transformer(cfg).apply({"params": params}, h, method=Transformer.lm_logits)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
@@ -239,9 +280,3 @@ def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
     h = embed_tokens(params, cfg, tokens)
     h, cache = run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, segment_ids, remat)
     return lm_logits(params, cfg, h), cache
-
-
-def param_shardings(cfg: ModelConfig, mesh):
-    """Params-shaped tree of NamedShardings: heads, kv heads, mlp and vocab over `tensor`,
-    embed over `fsdp` (the rules every part of s2d-jax shares)."""
-    return logical_to_sharding(param_axes(cfg), mesh)

@@ -1,7 +1,7 @@
 """Mesh construction and the one logical-axis -> mesh-axis rule table.
 
-Training and inference both place params, caches and batches through `logical_to_sharding`,
-so a parameter is split the same way wherever it lives.
+Training and inference both place params, optimizer state, caches and batches through
+`RULES`, so a parameter is split the same way wherever it lives.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 import jax
+import flax.linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from s2d_jax.config import ModelConfig
@@ -17,20 +18,22 @@ from s2d_jax.errors import S2DError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
-RULES: dict[str, object] = {
-    "batch": ("data", "fsdp"),
-    "seq": None,
-    "cache_seq": None,
-    "embed": "fsdp",
-    "heads": "tensor",
-    "kv_heads": "tensor",
-    "head_dim": None,
-    "mlp": "tensor",
-    "vocab": "tensor",
-    "layers": None,
-    "norm": None,
-}
+# The one logical-axis -> mesh-axis rule table, as Flax `logical_axis_rules`: a mesh axis
+# (or tuple of them, or None = replicated) per logical name. Params, optimizer state,
+# KV caches and batches are all placed through it.
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("cache_seq", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +67,15 @@ def with_auto_axes(mesh: Mesh | None) -> Mesh | None:
                 axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim)
 
 
-def spec(logical: tuple, rules: dict | None = None) -> P:
-    rules = RULES if rules is None else rules
-    return P(*(rules.get(name) for name in logical))
+def spec(logical: tuple) -> P:
+    """Mesh PartitionSpec of an array whose axes have the logical names `logical`."""
+    return nn.logical_to_mesh_axes(logical, RULES)
 
 
-def logical_to_sharding(axes_tree, mesh: Mesh, rules: dict | None = None):
-    """Map a pytree of logical-axis tuples to NamedShardings on `mesh`."""
-    return jax.tree.map(lambda ax: NamedSharding(mesh, spec(ax, rules)), axes_tree,
-                        is_leaf=lambda x: isinstance(x, tuple))
+def logical_to_mesh_sharding(logical_specs, mesh: Mesh):
+    """A pytree of logical PartitionSpecs (e.g. `nn.get_partition_spec` of boxed params)
+    -> the same tree of NamedShardings on `mesh`."""
+    return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
 
 
 def check_divisible(cfg: ModelConfig, mc: MeshConfig, what: str = "model") -> None:
@@ -93,4 +96,4 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 
 def cache_sharding(mesh):
     """KV cache [L, B, S, K, H]: rows over data x fsdp, kv heads over tensor."""
-    return jax.sharding.NamedSharding(mesh, spec(CACHE_AXES))
+    return NamedSharding(mesh, spec(CACHE_AXES))

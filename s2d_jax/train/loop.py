@@ -22,7 +22,7 @@ from s2d_jax.train import checkpoint as ckpt
 from s2d_jax.config import ModelConfig, load_model_config, read_hf_config
 from s2d_jax.parallel.multihost import maybe_initialize_distributed
 from s2d_jax.errors import S2DError
-from s2d_jax.parallel.mesh import check_divisible, logical_to_sharding
+from s2d_jax.parallel.mesh import check_divisible
 from s2d_jax.model.sorted_draft import draft_hf_extra, validate_exits
 from s2d_jax.train.config import OptimizerConfig, TrainConfig
 from s2d_jax.train.data import batch_fingerprint, make_train_iterator
@@ -85,17 +85,16 @@ def _jitted_init(cfg: ModelConfig, mesh):
     # Cached per (cfg, mesh): compiling the random init costs seconds; runs in one process
     # (tests, benchmarks) reuse it.
     return jax.jit(functools.partial(model.init_params, cfg),
-                   out_shardings=logical_to_sharding(model.param_axes(cfg), mesh))
+                   out_shardings=model.param_shardings(cfg, mesh))
 
 
 def initial_params(cfg: ModelConfig, source, mesh, seed: int) -> dict:
     """Random init (source None) or the first cfg.num_layers layers of checkpoint `source`."""
     if source is None:
         return _jitted_init(cfg, mesh)(jax.random.key(seed))
-    param_shardings = logical_to_sharding(model.param_axes(cfg), mesh)
     from s2d_jax.io.checkpoint import load_model
     _, params, _ = load_model(source, num_layers=cfg.num_layers, dtype=cfg.param_dtype,
-                              shardings=param_shardings)
+                              shardings=model.param_shardings(cfg, mesh))
     return params
 
 

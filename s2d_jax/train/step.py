@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.parallel.mesh import RULES, logical_to_sharding
+from s2d_jax.parallel.mesh import spec
 from s2d_jax.model.sorted_draft import soft_sums
 from s2d_jax.train.config import OptimizerConfig
 
@@ -51,29 +51,18 @@ def make_optimizer(o: OptimizerConfig, total_steps: int):
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[batch, seq] arrays: rows split over the "batch" rule (data x fsdp)."""
-    return NamedSharding(mesh, P(RULES["batch"], None))
+    return NamedSharding(mesh, spec(("batch", "seq")))
 
 
 def state_shardings(cfg: ModelConfig, mesh: Mesh, tx) -> TrainState:
-    """Shardings of the whole state; optimizer moments follow the param they belong to."""
-    param_sh = logical_to_sharding(model.param_axes(cfg), mesh)
-    abstract = model.abstract_params(cfg)
-    by_path = {}
-    for path, sh in jax.tree_util.tree_flatten_with_path(param_sh)[0]:
-        by_path[jax.tree_util.keystr(path)] = sh
-    shapes = {jax.tree_util.keystr(p): x.shape
-              for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    """Shardings of the whole state: the params' from the shared rules, and every copy of
+    the params inside the optimizer state (Adam's moments) sharded like the params, found
+    by the structure `tx.init` builds (`optax.tree_map_params`); other leaves replicated."""
+    param_sh = model.param_shardings(cfg, mesh)
     replicated = NamedSharding(mesh, P())
-
-    def opt_leaf(path, leaf):
-        key = jax.tree_util.keystr(path)
-        for ppath, sh in by_path.items():  # e.g. "[1][0].mu['layers']['wq']" ends with a param path
-            if key.endswith(ppath) and tuple(leaf.shape) == shapes[ppath]:
-                return sh
-        return replicated
-
-    abstract_opt = jax.eval_shape(tx.init, abstract)
-    opt_sh = jax.tree_util.tree_map_with_path(opt_leaf, abstract_opt)
+    abstract_opt = jax.eval_shape(tx.init, model.abstract_params(cfg))
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh)
 
 
@@ -101,7 +90,7 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
     """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics)."""
     w = jnp.asarray(weights, jnp.float32)
     A = grad_accum_steps
-    micro_sharding = NamedSharding(mesh, P(None, RULES["batch"], None))
+    micro_sharding = NamedSharding(mesh, spec((None, "batch", "seq")))
 
     def loss_fn(params, micro, total_tokens):
         ce, correct = soft_sums(params, cfg, exits, micro, remat)
