@@ -238,10 +238,10 @@ def test_params_match_weights_and_reference_dequantization(tied, tmp_path):
     assert cfg.param_dtype == "float32" and cfg.tie_word_embeddings == tied
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for row in NAME_MAP:
-        if row.ours == "lm_head" and tied:
+        if row.path == "lm_head" and tied:
             assert "lm_head" not in params
             continue
-        leaf = params[row.ours] if "/" not in row.ours else params["layers"][row.ours[7:]]
+        leaf = params["layers"][row.name] if row.stacked else params[row.path]
         leaf = np.asarray(leaf)
         for i in range(L) if row.stacked else [None]:
             got = leaf if i is None else leaf[i]
