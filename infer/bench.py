@@ -133,6 +133,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     from s2d_jax.bench import runner as bench
     from s2d_jax.bench import chains as bench_chain
     from s2d_jax.bench.calibrate import load_serving_config
+    from s2d_jax.decode.defaults import buffer_len, prompt_width, tokenizer_eos_id
     from s2d_jax.io.checkpoint import load_model
 
     cfg, params, _ = load_model(path, dtype=args.dtype)
@@ -159,19 +160,18 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
             mids[c.label] = bench_chain.load_intermediate(c, cfg, params, dtype=args.dtype,
                                                           quant_group=args.quant_group)
             chain_specs.append(bench_chain.chain_method_spec(c, baseline))
-    width = bench.round_up(max(len(p) for p in prompts), 16)
+    width = prompt_width(max(len(p) for p in prompts))
     # the longest block a round verifies: gamma, or gamma + mu for a chain
     g_max = max([s.gamma for s in specs] + [1]
                 + [bench_chain.chain_baseline(c, baseline).gamma
                    + bench_chain.chain_mu(c, baseline) for c in chains])
-    max_len = bench.round_up(width + args.max_new_tokens + g_max + 1, 64)
     context = min([cfg.max_position_embeddings]
                   + ([draft_cfg.max_position_embeddings] if draft_cfg else [])
                   + [m[0].max_position_embeddings for m in mids.values()])
     if width + g_max + 2 > context:
         raise S2DError(f"the longest prompt ({width} tokens padded) does not fit the context "
                        f"of {context}; use --max-prompts / --categories with shorter prompts")
-    max_len = min(max_len, context)
+    max_len = buffer_len(width, args.max_new_tokens, g_max + 1, context)
     decoders = bench.build_decoders(specs, cfg, params, draft_cfg, draft_params,
                                     prompt_width=width, tokenizer=tok)
     for c in chains:
@@ -180,7 +180,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
             prompt_width=width, tokenizer=tok)
     log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
         f"(compiling {len(decoders)} generations first)")
-    eos = tok.eos_id if tok.eos_id is not None else -1
+    eos = tokenizer_eos_id(tok)
     log(f"[{name}] compiling the in-loop cost probes (sampled after every prompt)")
     probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
                                max_len=max_len)
@@ -222,6 +222,7 @@ def main(argv=None):
     targets, temps, kinds, chains = _check_args(args)
     from s2d_jax.bench import report as bench_report
     from s2d_jax.data.prompts import encode_questions, read_questions
+    from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.io.tokenizer import load_tokenizer
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
@@ -236,7 +237,7 @@ def main(argv=None):
     if args.draft:
         from s2d_jax.io.checkpoint import load_model
         d_cfg, d_params, extra = load_model(args.draft, dtype=args.dtype)
-        draft = (d_cfg, d_params, tuple(extra.get("s2d_exits") or [d_cfg.num_layers]))
+        draft = (d_cfg, d_params, draft_exits(extra, d_cfg))
     report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
     report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds)
     all_runs = {}

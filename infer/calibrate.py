@@ -89,6 +89,8 @@ class Calibration:
 
     def __init__(self, args, name, path, gammas):
         from s2d_jax.bench import runner as bench
+        from s2d_jax.decode.defaults import (buffer_len, draft_exits, prompt_width,
+                                             tokenizer_eos_id)
         from s2d_jax.io.checkpoint import load_model
         from s2d_jax.data.prompts import encode_questions, read_questions
         from s2d_jax.io.tokenizer import load_tokenizer
@@ -102,7 +104,7 @@ class Calibration:
         self.prompts = encode_questions(tok, questions, args.chat_template)
         self.cfg, self.params, _ = load_model(path, dtype=args.dtype)
         self.d_cfg, self.d_params, extra = load_model(args.draft, dtype=args.dtype)
-        self.exits = tuple(extra.get("s2d_exits") or [self.d_cfg.num_layers])
+        self.exits = draft_exits(extra, self.d_cfg)
         if len(self.exits) < 2:
             raise S2DError(f"draft {args.draft} has a single exit; thresholds need a sorted "
                            f"draft with s2d_exits in its config.json")
@@ -110,11 +112,12 @@ class Calibration:
             raise S2DError(f"draft vocab_size {self.d_cfg.vocab_size} differs from the "
                            f"target's {self.cfg.vocab_size}; use a draft trained for this "
                            f"target")
-        self.eos = tok.eos_id if tok.eos_id is not None else -1
-        self.width = bench.round_up(max(len(p) for p in self.prompts), 16)
+        self.eos = tokenizer_eos_id(tok)
+        self.width = prompt_width(max(len(p) for p in self.prompts))
         need = self.width + args.max_new_tokens + max(gammas) + 1
-        self.max_len = min(bench.round_up(need, 64), self.cfg.max_position_embeddings,
-                           self.d_cfg.max_position_embeddings)
+        self.max_len = buffer_len(self.width, args.max_new_tokens, max(gammas) + 1,
+                                  min(self.cfg.max_position_embeddings,
+                                      self.d_cfg.max_position_embeddings))
         if need > self.max_len:
             raise S2DError(f"prompts of {self.width} tokens + {args.max_new_tokens} new "
                            f"tokens do not fit the context of {self.max_len}; lower "

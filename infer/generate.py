@@ -88,6 +88,7 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def build_engine(args, targets: dict[str, str]):
+    from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.decode.serving import Engine, TargetSpec
     from s2d_jax.io.tokenizer import load_tokenizer
@@ -117,7 +118,7 @@ def build_engine(args, targets: dict[str, str]):
             exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
         else:
             exits = (parse_ints(args.exits, "--exits") if args.exits else
-                     extra.get("s2d_exits") or [draft_cfg.num_layers])
+                     draft_exits(extra, draft_cfg))
             if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
                 from s2d_jax.bench.calibrate import load_serving_config
                 served = load_serving_config(next(iter(targets.values())))
@@ -213,13 +214,14 @@ def main(argv=None):
                            f"{', '.join(targets)}")
     engine, tok = build_engine(args, targets)
     from s2d_jax.data.chat import vicuna_prompt
+    from s2d_jax.decode.defaults import tokenizer_eos_id
 
     for r in reqs:
         text = vicuna_prompt([r["text"]]) if args.chat_template == "vicuna" else r["text"]
         r["ids"] = tok.encode(text, bos=True)
     decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p,
-                     eos_id=tok.eos_id if tok.eos_id is not None else -1)
+                     eos_id=tokenizer_eos_id(tok))
     stream = args.prompt is not None and args.out is None
     rows = []
     for name in dict.fromkeys(r["target"] for r in reqs):

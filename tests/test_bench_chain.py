@@ -272,8 +272,8 @@ def test_level_counts_equal_the_engines_raw_counters():
                             spec=spec, mid_cfgs=(mcfg,))
     c = bench_chain.level_counts(summarize(state, 1.0, spec))
     s = jax.device_get(state)
-    assert c["calls"] == s.level_calls.sum(0).tolist()
-    assert c["proposed"] == s.level_proposed.sum(0).tolist()
-    assert c["accepted"] == s.level_accepted.sum(0).tolist()
-    assert c["tokens"] == pytest.approx(float(s.round_tokens.sum()))
+    assert c["calls"] == s.stats.level_calls.sum(0).tolist()
+    assert c["proposed"] == s.stats.level_proposed.sum(0).tolist()
+    assert c["accepted"] == s.stats.level_accepted.sum(0).tolist()
+    assert c["tokens"] == pytest.approx(float(s.stats.round_tokens.sum()))
     assert 0 < c["accepted"][0] < c["proposed"][0]  # rejections really happened

@@ -40,8 +40,8 @@ def test_three_level_chain_sampling_matches_target_distribution():
     assert cells >= 10, cells
     assert pval > 0.01, (pval, cells)
     # Both verifications really happened with both outcomes.
-    acc = np.asarray(state.level_accepted).sum(0)
-    prop = np.asarray(state.level_proposed).sum(0)
+    acc = np.asarray(state.stats.level_accepted).sum(0)
+    prop = np.asarray(state.stats.level_proposed).sum(0)
     rates = acc / prop
     print(f"acceptance draft->int4: {rates[0]:.3f}, int4->target: {rates[1]:.3f}")
     assert (rates > 0.2).all() and (rates < 0.999).all(), rates

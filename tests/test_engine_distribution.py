@@ -82,8 +82,8 @@ def test_s2d_sampling_matches_target_distribution(temperature, top_p):
     print(f"chi-square p={pval:.3f} over {cells} cells")
     assert pval > 0.01, (pval, cells)
     # Drafts were really accepted and both exits were used (so verification was exercised).
-    assert int(state.accepted_at.sum()) > ROWS // 4
-    assert (np.asarray(state.exit_counts.sum(0)) > 0).all()
+    assert int(state.stats.accepted_at.sum()) > ROWS // 4
+    assert (np.asarray(state.stats.exit_counts.sum(0)) > 0).all()
     # Power check: a distribution off by a little is rejected by the same statistic.
     wrong = 0.85 * joint + 0.15 / joint.size
     assert chi_square_pooled(counts, wrong)[0] < 1e-4

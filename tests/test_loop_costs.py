@@ -22,7 +22,7 @@ def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
     args = probe._prefill_args(dp)
     state = engine.decode_chunk(probe.first(*args), *probe._loop_args(dp, 4), **kw)
     state = jax.device_get(state)
-    assert int(state.round) == 4 and state.proposed_at[0].tolist() == [4, 0, 0]
+    assert int(state.round) == 4 and state.stats.proposed_at[0].tolist() == [4, 0, 0]
     plain = LoopProbe(make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3), [5, 6, 7],
                       max_len=64, rounds=4)
     plain.sample()

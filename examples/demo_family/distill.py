@@ -55,12 +55,13 @@ def generate_mixture(target_dirs: dict[str, str], prompts: list[str], *,
                      seed: int = 0, log=print) -> dict[str, list[str]]:
     """{target name: [prompt + continuation, ...]} for every prompt and temperature."""
     from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.decode.defaults import tokenizer_eos_id
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(next(iter(target_dirs.values())))
     ids = [tok.encode(p) for p in prompts]
-    eos = tok.eos_id if tok.eos_id is not None else -1
+    eos = tokenizer_eos_id(tok)
     out = {}
     for name, path in target_dirs.items():
         cfg, params, _ = load_model(path, dtype="float32")
@@ -82,20 +83,21 @@ def compare_drafts(target_dirs: dict[str, str], draft_dirs: dict[str, str],
                    prompts: list[str], *, max_new_tokens: int = 64, gamma: int = 4) -> dict:
     """{draft name: {target name: MAT of greedy S2D (0.5/0.5/0), "mean": mean over
     targets}}, one prompt at a time (batch 1, as the benchmark)."""
-    from s2d_jax.bench.runner import PaddedDecoder, paper_thresholds, round_up
+    from s2d_jax.bench.runner import PaddedDecoder, paper_thresholds
+    from s2d_jax.decode.defaults import draft_exits, prompt_width, tokenizer_eos_id
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(next(iter(target_dirs.values())))
     ids = [tok.encode(p) for p in prompts]
-    width = round_up(max(len(i) for i in ids), 16)
-    eos = tok.eos_id if tok.eos_id is not None else -1
+    width = prompt_width(max(len(i) for i in ids))
+    eos = tokenizer_eos_id(tok)
     drafts = {n: load_model(p, dtype="float32") for n, p in draft_dirs.items()}
     result = {n: {} for n in draft_dirs}
     for tname, tpath in target_dirs.items():
         cfg, params, _ = load_model(tpath, dtype="float32")
         for dname, (dcfg, dparams, extra) in drafts.items():
-            exits = tuple(extra.get("s2d_exits") or [dcfg.num_layers])
+            exits = draft_exits(extra, dcfg)
             dec = PaddedDecoder(cfg, params, method="s2d", draft_cfg=dcfg, draft_params=dparams,
                                 exits=exits, gamma=gamma, thresholds=paper_thresholds(len(exits)),
                                 prompt_width=width)

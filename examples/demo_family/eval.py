@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from s2d_jax.decode.defaults import draft_exits
 from s2d_jax.io.checkpoint import load_model
 from s2d_jax.model.sorted_draft import multi_exit_logits
 
@@ -46,7 +47,7 @@ def evaluate(model_dirs: dict[str, str], draft_dir: str | None, heldout_path: st
     loaded = {}
     for name, path in {**model_dirs, **({"draft": draft_dir} if draft_dir else {})}.items():
         cfg, params, extra = load_model(path, dtype="float32")
-        exits = tuple(extra.get("s2d_exits", (cfg.num_layers,)))
+        exits = draft_exits(extra, cfg)
         loaded[name] = (cfg, params, exits)
     tok_dir = next(iter(model_dirs.values())) if model_dirs else draft_dir
     batches = heldout_batches(heldout_path, tok_dir, seq_len, batch_size)

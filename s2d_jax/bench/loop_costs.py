@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.defaults import buffer_len
 from s2d_jax.errors import S2DError
 
 MAX_ROUNDS = 48
@@ -65,7 +66,7 @@ class LoopProbe:
         _, arr, _ = decoder.prepare([prompt], 1, None)
         width = arr.shape[1]
         if max_len is None:  # room for `rounds` rounds that each add a whole block
-            max_len = -(-(width + rounds * span + 2 + span) // 64) * 64
+            max_len = buffer_len(width, rounds * span + 2, span)
         rounds = min(rounds, (max_len - width - span - 2) // span)
         if rounds < 2:
             raise S2DError(f"a buffer of {max_len} tokens leaves no room to time rounds of "

@@ -109,10 +109,6 @@ def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
     return out
 
 
-def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequence[float],
                max_new_tokens: int, max_len: int, eos_id: int, repeats: int = 1,
                progress: Callable | None = None, between: Callable | None = None) -> dict:

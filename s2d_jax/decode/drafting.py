@@ -1,4 +1,4 @@
-"""One draft token with early-exit escalation over a sorted draft (the S2D algorithm).
+"""The draft's proposal: tokens with early-exit escalation over a sorted draft (S2D).
 
 The draft is one layer stack with exits e_1 < ... < e_m sharing the final norm and head.
 For each token: run layers [0, e_1), score the exit's prediction; a row keeps it when its
@@ -20,6 +20,8 @@ what the CALM approximation costs in accepted tokens.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -28,6 +30,7 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
+from s2d_jax.decode.state import DecodeParams, SpecConfig
 
 
 def with_exit_segments(params: dict, exits: tuple[int, ...]) -> dict:
@@ -115,3 +118,49 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
 
     q = probs_from_logits(logits, sp)
     return sample(key, q, sp.greedy), q, exit_idx, conf, cache
+
+
+def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarray,
+                start: jnp.ndarray, key: jax.Array, rows: jnp.ndarray, dp: DecodeParams,
+                spec: SpecConfig):
+    """Propose up to gamma tokens after the sequences work[b, :start[b]], one draft_token
+    step each, for the rows that need them (`rows` [B]; other rows compute and are ignored).
+
+    Returns (tokens [B, G], q [B, G, V] their distributions, count [B] proposed,
+    exit index [B, G], cache).
+    """
+    n, G, S = spec.num_levels, spec.gamma, work.shape[1]
+    step = functools.partial(draft_token, params, cfg, sp=dp.sampling,
+                             thresholds=dp.thresholds, exits=spec.exits,
+                             conf_kind=spec.confidence, kv_fill=spec.kv_fill)
+    # The first step feeds the last n tokens (the catch-up window, round.py). Positions
+    # are clamped to the buffer: only finished rows can reach past it, and a larger
+    # position would change dynamic-NTK rope (batch max position) for every row.
+    pos_w = jnp.maximum((start - n)[:, None] + jnp.arange(n, dtype=jnp.int32), 0)
+    tok_w = jnp.take_along_axis(work, pos_w, axis=1)
+    d0, q0, e0, c0, cache = step(cache, tok_w, pos_w, jax.random.fold_in(key, 0))
+    # Dynamic draft length (off when stop_threshold = 0): a row stops proposing after a
+    # token whose confidence is below stop_threshold; a step no row needs is skipped.
+    active0 = (c0 >= dp.stop_threshold) & rows
+
+    def body(carry, g):
+        cache, prev, active = carry
+
+        def run(cache):
+            pos = jnp.minimum(start - 1 + g, S - 1)[:, None]
+            return step(cache, prev[:, None], pos, jax.random.fold_in(key, g))
+
+        def skip(cache):
+            return (jnp.zeros_like(prev), jnp.zeros_like(q0), jnp.zeros_like(e0),
+                    jnp.zeros_like(c0), cache)
+
+        d, q, e, c, cache = jax.lax.cond(jnp.any(active), run, skip, cache)
+        return (cache, d, active & (c >= dp.stop_threshold)), (d, q, e, active)
+
+    (cache, _, _), (ds, qs, es, act) = jax.lax.scan(
+        body, (cache, d0, active0), jnp.arange(1, G, dtype=jnp.int32), unroll=True)
+    tokens = jnp.concatenate([d0[:, None], ds.T], axis=1)
+    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    exit_idx = jnp.concatenate([e0[:, None], es.T], axis=1)
+    count = 1 + jnp.sum(act.T, axis=1).astype(jnp.int32)
+    return tokens, q, count, exit_idx, cache

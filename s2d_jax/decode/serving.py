@@ -19,13 +19,10 @@ import numpy as np
 from s2d_jax.decode import engine
 from s2d_jax.parallel.mesh import with_auto_axes
 from s2d_jax.config import ModelConfig
+from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
 from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _fingerprint(tok):
@@ -43,7 +40,7 @@ class Decoder:
                  intermediates: Sequence[tuple[ModelConfig, object]] = (),
                  mus: Sequence[int] | None = None, stop_threshold: float = 0.0):
         """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
-        chain (chain.py) with accumulation lengths `mus` (default: gamma per level).
+        chain (round.py) with accumulation lengths `mus` (default: gamma per level).
         `stop_threshold`: the default dynamic draft length (a row stops drafting after a
         token whose confidence is below it; 0 = always gamma tokens)."""
         self.name, self.mesh = name, with_auto_axes(mesh)
@@ -123,9 +120,9 @@ class Decoder:
         if longest + gamma + 2 > self.context:
             raise S2DError(f"a prompt of {longest} tokens does not fit the context of "
                            f"{self.context} tokens (with gamma {gamma}); shorten the prompt")
-        P = min(_round_up(longest, 16), self.context)
+        P = prompt_width(longest, self.context)
         if max_len is None:
-            max_len = min(_round_up(P + max_new_tokens + gamma + 1, 64), self.context)
+            max_len = buffer_len(P, max_new_tokens, self.spec_base.round_span, self.context)
         spec = dataclasses.replace(self.spec_base, max_len=max(max_len, P))
         arr = np.zeros((len(prompts), P), np.int32)
         for i, p in enumerate(prompts):
@@ -148,7 +145,7 @@ class Decoder:
         result is identical to the single-jit path: keys depend only on the round index.
         """
         spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
-        eos = self.target_cfg.eos_token_id if eos_id is None else eos_id
+        eos = eos_id_or_default(eos_id, self.target_cfg)
         if stop_threshold is None:
             stop_threshold = self.stop_threshold
         dp = self.decode_params(spec, thresholds, temperature=temperature, top_k=top_k,
@@ -189,12 +186,13 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
               compile_seconds: float = 0.0) -> list[dict]:
     """Per-row results: generated token ids and statistics (MAT counts the target's token)."""
     s = jax.device_get(state)
+    st = s.stats
     total_new = int(np.sum(s.length - s.prompt_len))
     out = []
     for b in range(s.tokens.shape[0]):
         lo, hi = int(s.prompt_len[b]), int(s.length[b])
-        rounds = int(s.rounds[b])
-        proposed = s.proposed_at[b]
+        rounds = int(st.rounds[b])
+        proposed = st.proposed_at[b]
         out.append({
             "token_ids": s.tokens[b, lo:hi].tolist(),
             "stats": {
@@ -202,17 +200,17 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "new_tokens": hi - lo,
                 "rounds": rounds,
                 # Spec-Bench MAT: tokens per target forward; the prefill's token is excluded.
-                "mean_accepted_tokens": float(s.round_tokens[b]) / max(rounds, 1),
+                "mean_accepted_tokens": float(st.round_tokens[b]) / max(rounds, 1),
                 "acceptance_rate_per_position": [
-                    float(a) / float(p) if p else None for a, p in zip(s.accepted_at[b], proposed)],
-                "exit_usage": s.exit_counts[b].tolist(),
+                    float(a) / float(p) if p else None for a, p in zip(st.accepted_at[b], proposed)],
+                "exit_usage": st.exit_counts[b].tolist(),
                 # Chain levels k = 1 .. n-1 (n = 2: the target): acceptance of level k-1's
                 # tokens by level k, and level k's forwards.
                 "mus": list(spec.mus),
                 "level_acceptance_rate": [
                     float(a) / float(p) if p else None
-                    for a, p in zip(s.level_accepted[b], s.level_proposed[b])],
-                "level_forwards": s.level_calls[b].tolist(),
+                    for a, p in zip(st.level_accepted[b], st.level_proposed[b])],
+                "level_forwards": st.level_calls[b].tolist(),
                 "batch_seconds": seconds,  # generation only, compilation excluded
                 "compile_seconds": compile_seconds,
                 "batch_tokens_per_s": total_new / seconds if seconds > 0 else None,

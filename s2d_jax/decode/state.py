@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -31,7 +32,7 @@ class SpecConfig:
     max_len: cache / token buffer length per row (prompt + generated + gamma + 1 slack).
     kv_fill: how layers skipped by an early exit get keys/values, see drafting.py.
     mus: one accumulation length mu_k >= 1 per intermediate level of a polybasic chain
-      (draft -> intermediate_1 -> ... -> target, chain.py); () = two-level S2D.
+      (draft -> intermediate_1 -> ... -> target, round.py); () = two-level S2D.
     """
 
     method: str = "s2d"
@@ -123,13 +124,65 @@ class DecodeParams:
 
 
 @struct.dataclass
+class RoundStats:
+    """The per-row counters of a generation, updated by every round (serving.summarize
+    turns them into MAT, acceptance per position, exit usage, per-level acceptance).
+
+    Verifier level k = 1 .. n-1 of the chain checks level k-1's tokens (n = 2: the target
+    checks the draft's); column k-1 of the level_* counters is level k.
+    """
+
+    rounds: jnp.ndarray  # i32 [B] rounds in which the row was active
+    round_tokens: jnp.ndarray  # i32 [B] tokens added by rounds (accepted + target's own)
+    accepted_at: jnp.ndarray  # i32 [B, gamma] draft position g accepted by level 1
+    proposed_at: jnp.ndarray  # i32 [B, gamma] draft position g proposed to level 1
+    exit_counts: jnp.ndarray  # i32 [B, num_exits] drafted tokens kept at each exit
+    level_accepted: jnp.ndarray  # i32 [B, n-1] tokens level k accepted from level k-1
+    level_proposed: jnp.ndarray  # i32 [B, n-1] tokens level k-1 proposed to level k
+    level_calls: jnp.ndarray  # i32 [B, n-1] forwards of level k the row took part in
+
+    @classmethod
+    def zeros(cls, batch: int, spec: SpecConfig) -> "RoundStats":
+        z = lambda *shape: jnp.zeros((batch,) + shape, jnp.int32)  # noqa: E731
+        n = spec.num_levels
+        return cls(rounds=z(), round_tokens=z(), accepted_at=z(spec.gamma),
+                   proposed_at=z(spec.gamma), exit_counts=z(spec.num_exits),
+                   level_accepted=z(n - 1), level_proposed=z(n - 1), level_calls=z(n - 1))
+
+    def add_verification(self, level: int, accepted, proposed, rows) -> "RoundStats":
+        """Level `level` (>= 1) took part for `rows` and accepted `accepted` [B] of the
+        `proposed` [B] tokens below it."""
+        live = rows.astype(jnp.int32)
+        hot = jax.nn.one_hot(level - 1, self.level_calls.shape[1], dtype=jnp.int32)[None, :]
+        return self.replace(level_accepted=self.level_accepted + hot * (accepted * live)[:, None],
+                            level_proposed=self.level_proposed + hot * (proposed * live)[:, None],
+                            level_calls=self.level_calls + hot * live[:, None])
+
+    def add_draft_block(self, accepted, proposed, exit_idx, rows) -> "RoundStats":
+        """The draft's block as its verifier saw it: per position proposed / accepted, and
+        the exit each proposed token was kept at (exit_idx [B, gamma])."""
+        g = jnp.arange(exit_idx.shape[1])[None, :]
+        was_proposed = rows[:, None] & (g < proposed[:, None])
+        exit_hot = jax.nn.one_hot(exit_idx, self.exit_counts.shape[1], dtype=jnp.int32)
+        return self.replace(
+            accepted_at=self.accepted_at + (was_proposed & (g < accepted[:, None])).astype(jnp.int32),
+            proposed_at=self.proposed_at + was_proposed.astype(jnp.int32),
+            exit_counts=self.exit_counts + jnp.sum(exit_hot * was_proposed[..., None], axis=1))
+
+    def add_round(self, active, added) -> "RoundStats":
+        """One round ended: `added` [B] tokens committed by the `active` [B] rows."""
+        return self.replace(rounds=self.rounds + active.astype(jnp.int32),
+                            round_tokens=self.round_tokens + added)
+
+
+@struct.dataclass
 class GenState:
     """Everything the round loop carries; fixed shapes, donated between jitted chunks.
 
     Invariant between rounds: tokens[b, :length[b]] is the sequence so far (zeros after),
     and the cache of chain level k (0 = draft, n-1 = target) holds keys/values for at least
     the positions < length[b] - (n - k) (the target: all but the last token, fed next round;
-    the lower levels re-feed their catch-up window, chain.py).
+    the lower levels re-feed their catch-up window, round.py).
     """
 
     tokens: jnp.ndarray  # i32 [B, S]
@@ -140,18 +193,18 @@ class GenState:
     draft_cache: KVCache | None
     key: jnp.ndarray  # PRNG key
     round: jnp.ndarray  # i32 scalar, rounds run so far (any row)
-    # Statistics, per row.
-    rounds: jnp.ndarray  # i32 [B] rounds in which the row was active
-    round_tokens: jnp.ndarray  # i32 [B] tokens added by rounds (accepted + target's own)
-    accepted_at: jnp.ndarray  # i32 [B, gamma] draft position g accepted
-    proposed_at: jnp.ndarray  # i32 [B, gamma] draft position g proposed
-    exit_counts: jnp.ndarray  # i32 [B, num_exits] drafted tokens kept at each exit
-    # Per verifier level k = 1 .. n-1 of the chain (n = 2: just the target).
-    level_accepted: jnp.ndarray  # i32 [B, n-1] tokens level k accepted from level k-1
-    level_proposed: jnp.ndarray  # i32 [B, n-1] tokens level k-1 proposed to level k
-    level_calls: jnp.ndarray  # i32 [B, n-1] forwards of level k the row took part in
+    stats: RoundStats
     mid_caches: tuple = ()  # KVCache per intermediate level
 
     @property
     def new_tokens(self) -> jnp.ndarray:
         return self.length - self.prompt_len
+
+    @property
+    def caches(self) -> tuple:
+        """The chain's caches bottom-up: (draft, intermediates..., target)."""
+        return (self.draft_cache,) + tuple(self.mid_caches) + (self.target_cache,)
+
+    def with_caches(self, caches) -> "GenState":
+        return self.replace(draft_cache=caches[0], mid_caches=tuple(caches[1:-1]),
+                            target_cache=caches[-1])

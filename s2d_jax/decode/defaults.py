@@ -1,0 +1,48 @@
+"""The defaults and buffer sizes every decoding entry point shares (serving, benchmarks,
+calibration, CLIs), so that one decision is made in one place.
+
+Buffer sizes are static shapes of the compiled generation: rounding them to buckets lets
+one compilation serve every prompt / budget that lands in the same bucket.
+"""
+
+from __future__ import annotations
+
+from s2d_jax.config import ModelConfig
+
+PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
+BUFFER_BUCKET = 64  # the token / KV-cache buffer per row is a multiple of this
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def prompt_width(longest: int, context: int | None = None) -> int:
+    """Padded prompt width for prompts of at most `longest` tokens (at most `context`)."""
+    width = round_up(longest, PROMPT_BUCKET)
+    return width if context is None else min(width, context)
+
+
+def buffer_len(prompt_width: int, max_new_tokens: int, round_span: int,
+               context: int | None = None) -> int:
+    """Token / cache slots per row: the padded prompt, the new tokens and one round's span
+    (a row stops once another round might not fit), rounded up to BUFFER_BUCKET and capped
+    at `context` (the smallest max_position_embeddings of the models involved)."""
+    slots = round_up(prompt_width + max_new_tokens + round_span, BUFFER_BUCKET)
+    return slots if context is None else min(slots, context)
+
+
+def draft_exits(extra: dict, draft_cfg: ModelConfig) -> tuple[int, ...]:
+    """A sorted draft's exits as stored with it (`s2d_exits` in its config.json), else one
+    exit at its full depth."""
+    return tuple(int(e) for e in (extra.get("s2d_exits") or [draft_cfg.num_layers]))
+
+
+def tokenizer_eos_id(tok) -> int:
+    """The tokenizer's EOS id as a decode setting (-1 = no EOS: stop on the budget only)."""
+    return tok.eos_id if tok.eos_id is not None else -1
+
+
+def eos_id_or_default(eos_id: int | None, target_cfg: ModelConfig) -> int:
+    """An explicit EOS id, or the target config's `eos_token_id` when none is given."""
+    return target_cfg.eos_token_id if eos_id is None else eos_id
