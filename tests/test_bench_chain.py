@@ -1,4 +1,4 @@
-"""Polybasic chains in the benchmark (s2d_jax/bench_chain.py, `infer.bench --chain`): chain
+"""Polybasic chains in the benchmark (s2d_jax/bench/chains.py, `infer.bench --chain`): chain
 parsing, level statistics recovered from the per-row summaries, the Lemma 3.1 inputs and
 insertion verdict on hand-computed numbers, the batch-4 and quantized-agreement checks with
 stub decoders, bad --chain input, and (slow) the whole bench on tiny random models."""

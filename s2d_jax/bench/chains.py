@@ -12,7 +12,7 @@ this file adds what only chains need (see `bench_chains`).
 
 Costs (seconds per call), all measured the same way so that the two sides of the
 insertion inequality are comparable: call_costs.py times each call inside one jitted loop
-(a level's forward + verification on exactly the positions the engine feeds it, chain.py:
+(a level's forward + verification on exactly the positions the engine feeds it, decode/round.py:
 a catch-up window of n - k tokens plus its block; a draft step forced to each exit) on a
 cache of the benchmark's length, sampled between the benchmark's prompts. Greedy and
 sampling are different programs (sampling.py), so every cost is measured per temperature.
@@ -216,7 +216,7 @@ def level_counts(rows: list[dict]) -> dict:
     steps, and per verifier level in chain order (serving.summarize's order: 0 = the
     draft's verifier, last = the target) its calls, the tokens proposed to it and accepted.
 
-    summarize gives per-row rates and calls; the counts follow exactly from how chain.py
+    summarize gives per-row rates and calls; the counts follow exactly from how decode/round.py
     counts: the draft's proposals to level 1 are its drafted tokens (sum of exit usage),
     and each call of an intermediate passes up its accepted tokens plus its correction."""
     n_ver = len(rows[0]["stats"]["level_forwards"])

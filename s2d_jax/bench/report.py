@@ -49,7 +49,7 @@ def _ms(x):
 
 
 def chain_tables(report: dict) -> str:
-    """Markdown for the polybasic chains (targets.NAME.chains, see bench_chain.py): speed
+    """Markdown for the polybasic chains (targets.NAME.chains, see bench/chains.py): speed
     and the insertion verdict, per-level statistics, quantized intermediates."""
     chains = [(name, label, c) for name, tgt in report["targets"].items()
               for label, c in (tgt.get("chains") or {}).items()]

@@ -5,7 +5,7 @@ Source: Wang et al., "Polybasic Speculative Decoding Through a Theoretical Persp
 
 Index convention (this file): M_1 is the TARGET and M_n the fastest drafter; M_n drafts,
 M_{n-1}, ..., M_1 verify in turn. Other places number the same chain differently:
-  chain.py / engine levels:  level 0 = draft, ..., level n-1 = target, so M_i = level n-i;
+  decode/round.py levels:  level 0 = draft, ..., level n-1 = target, so M_i = level n-i;
   serving.summarize lists (level_acceptance_rate, level_forwards): entry j (0-based) is
       verifier level j+1 = M_{n-1-j}; the LAST entry is the target M_1;
   issue 7's text: M_1 the draft, M_n the target (the reverse of this file).
