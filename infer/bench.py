@@ -9,9 +9,9 @@ Methods (--methods): ar, sd (one run per draft exit), self (the target's first k
 (thresholds and gamma from TARGET_DIR/s2d_serving.json, see infer.calibrate; skipped with
 a note when absent). Every prompt runs every method back to back after a warm-up;
 compilation is excluded from tokens/s. Writes to --out: report.json, report.md (also
-printed), speedup.png (with matplotlib: pip install -e '.[bench]'), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
-format). --hf-baseline also times HF transformers generate (plain, assisted), greedy
-(needs torch: pip install -e '.[bench]').
+printed), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench format) and, with
+matplotlib (pip install -e '.[bench]'), speedup.png. --hf-baseline also times HF
+transformers generate (plain, assisted), greedy (needs torch: the same extra).
 
 Polybasic chains (--chain NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M], repeatable): draft
 -> MID -> target NAME, where MID is int8 / int4 / w8a8 (the target's own quantization:

@@ -5,7 +5,8 @@
 
 Greedy trajectories of the target + one draft pass give per-exit acceptance; a grid of
 thresholds x gammas is ranked by the benchmark's predicted speedup (round costs timed
-inside the engine's decode loop, s2d_jax/bench/loop_costs.py);
+inside the engine's decode loop, s2d_jax/bench/loop_costs.py, re-timed between the prompts
+of the runs that measure a setting, whose prediction then uses them);
 every single exit at every gamma (vanilla SD), the best --check few multi-exit settings,
 the best multi-exit one per gamma and the paper's 0.5/.../0 are measured for real
 (interleaved with AR, median of --repeats passes per prompt); the --finalists fastest
@@ -127,17 +128,30 @@ class Calibration:
         return bench.build_decoders(list(specs), self.cfg, self.params, self.d_cfg,
                                     self.d_params, prompt_width=self.width)
 
-    def run(self, decoders, repeats=None) -> dict:
+    def run(self, decoders, repeats=None, between=None) -> dict:
         from s2d_jax.bench import runner as bench
         return bench.run_target(decoders, self.prompts, temperatures=[0.0],
                                 max_new_tokens=self.args.max_new_tokens,
                                 max_len=self.max_len, eos_id=self.eos,
-                                repeats=repeats or self.args.repeats)["runs"][0.0]
+                                repeats=repeats or self.args.repeats,
+                                between=between)["runs"][0.0]
 
-    def measure(self, decoders) -> dict:
-        """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT."""
+    def measure(self, decoders, probe_settings=()) -> dict:
+        """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT.
+
+        probe_settings: (exits, gamma) of the settings measured; their round-cost probes
+        and AR's are timed afresh between the prompts (so costs and runs see the same
+        machine, as in the benchmark) and replace those settings' costs."""
+        from s2d_jax.bench import calibrate
         from s2d_jax.bench import runner as bench
-        per = self.run(decoders)
+        keys = list(dict.fromkeys(calibrate.setting_key(e, g) for e, g in probe_settings))
+        probes = [self.probes[k] for k in ["ar"] + keys] if keys else []
+        for p in probes:
+            p.reset()
+        per = self.run(decoders, between=lambda: [p.sample() for p in probes])
+        if keys:
+            self.costs["ar"] = self.probes["ar"].result()
+            self.costs["settings"].update({k: self.probes[k].result() for k in keys})
         ar_tps = bench._aggregate(per["ar"])["tokens_per_second"]
         out = {}
         for label, rows in per.items():
@@ -163,13 +177,14 @@ class Calibration:
                  for sub in calibrate.exit_subsets(self.exits) for g in self.gammas]
         log(f"[{self.name}] timing rounds inside the decode loop: AR and {len(specs)} exit "
             f"subset x gamma settings")
-        probes = {"ar": self.probe(ar["ar"])}
-        probes.update({key: self.probe(dec) for key, dec in self.build(specs).items()})
+        self.probes = {"ar": self.probe(ar["ar"])}
+        self.probes.update({key: self.probe(dec) for key, dec in self.build(specs).items()})
         for _ in range(COST_SAMPLES):
-            for p in probes.values():
+            for p in self.probes.values():
                 p.sample()
-        self.costs = {"ar": probes.pop("ar").result(),
-                      "settings": {key: p.result() for key, p in probes.items()}}
+        self.costs = {"ar": self.probes["ar"].result(),
+                      "settings": {key: p.result() for key, p in self.probes.items()
+                                   if key != "ar"}}
 
     def probe(self, decoder):
         from s2d_jax.bench.loop_costs import LoopProbe
@@ -179,10 +194,11 @@ class Calibration:
         """Round costs of a decoder with a draft stop (its probe also times one-step
         rounds), for predictions of that setting with a stop."""
         from s2d_jax.bench import calibrate
-        probe = self.probe(decoder)
+        key = calibrate.setting_key(exits, gamma)
+        self.probes[key] = self.probe(decoder)
         for _ in range(COST_SAMPLES):
-            probe.sample()
-        self.costs["settings"][calibrate.setting_key(exits, gamma)] = probe.result()
+            self.probes[key].sample()
+        self.costs["settings"][key] = self.probes[key].result()
 
     def predicted(self, thresholds, gamma, exits, stop=0.0) -> dict:
         """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts)."""
@@ -230,7 +246,7 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
     measured again, the choice made on the second run (calibrate.pick_setting)."""
     from s2d_jax.bench import calibrate
     decs = cal.build([cal.ar_spec] + list(candidates.values()))
-    measured = cal.measure(decs)
+    measured = cal.measure(decs, [(c.exits, c.gamma) for c in candidates.values()])
     rows = []
     for label, spec in candidates.items():
         m = measured[label]
@@ -269,7 +285,7 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
     decs = {"ar": decs["ar"], "base": decs[best["label"]], **cal.build(specs.values())}
     log(f"[calibrate] draft stop thresholds {stops} on exits {list(ex)} gamma {g}")
     cal.add_one_step_costs(decs[f"stop{stops[0]}"], ex, g)
-    measured = cal.measure(decs)
+    measured = cal.measure(decs, [(ex, g)])
     rows = [{**base, "measured_speedup": measured["base"]["speedup"]}]
     for label, spec in specs.items():
         _require_exact(measured, label, f"draft stop {spec.stop}")

@@ -98,6 +98,11 @@ class LoopProbe:
         d = self.decoder
         return (d.draft_params, d.target_params, dp, jnp.int32(k), d.mid_params)
 
+    def reset(self) -> None:
+        """Drop the samples taken so far (to time the probe afresh beside other runs)."""
+        self.prefill_s = []
+        self.times = [{k: [] for k in t} for t in self.times]
+
     def sample(self) -> None:
         for dp, times in zip(self.dps, self.times):
             args = self._prefill_args(dp)
