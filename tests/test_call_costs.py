@@ -75,7 +75,7 @@ def test_probes_one_per_exit_and_results_only_after_sampling():
         verify.result()
     verify.times = {0: [], verify.calls: []}
     for p in probes + [verify]:
-        p.sample()
-        p.sample()
-        assert len(p.times[0]) == len(p.times[p.calls]) == 2
+        for _ in range(5):  # medians of 5: these tiny calls are near a loaded machine's noise
+            p.sample()
+        assert len(p.times[0]) == len(p.times[p.calls]) == 5
         assert p.result() > 0

@@ -156,11 +156,15 @@ def generation_split(costs: dict, stats: dict) -> dict:
 
 
 def loop_probe_costs(decoder, prompts, *, max_new_tokens: int, temperature: float = 0.0,
-                     samples: int = 3) -> dict:
-    """`result()` of a LoopProbe on the first prompt at the buffer length a generation of
-    `prompts` uses, sampled `samples` times back to back."""
-    spec, _, _ = decoder.prepare(prompts, max_new_tokens)
-    probe = LoopProbe(decoder, prompts[0], max_len=spec.max_len, temperature=temperature)
+                     samples: int = 5, min_rounds: int = 16) -> dict:
+    """`result()` of a LoopProbe on the first prompt, sampled `samples` times back to back,
+    at the buffer length a generation of `prompts` uses, lengthened (within the context)
+    to hold `min_rounds` rounds: a short generation's few rounds time below the noise."""
+    spec, arr, _ = decoder.prepare(prompts, max_new_tokens)
+    span = spec.round_span
+    room = -(-(arr.shape[1] + (min_rounds + 1) * span + 2) // 64) * 64
+    probe = LoopProbe(decoder, prompts[0], max_len=min(max(spec.max_len, room), decoder.context),
+                      temperature=temperature)
     for _ in range(samples):
         probe.sample()
     return probe.result()
