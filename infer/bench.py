@@ -9,8 +9,9 @@ Methods (--methods): ar, sd (one run per draft exit), self (the target's first k
 (thresholds and gamma from TARGET_DIR/s2d_serving.json, see infer.calibrate; skipped with
 a note when absent). Every prompt runs every method back to back after a warm-up;
 compilation is excluded from tokens/s. Writes to --out: report.json, report.md (also
-printed), speedup.png, answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench
-format). --hf-baseline also times HF transformers generate (plain, assisted), greedy.
+printed), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench format) and, with
+matplotlib (pip install -e '.[bench]'), speedup.png. --hf-baseline also times HF
+transformers generate (plain, assisted), greedy (needs torch: the same extra).
 
 Polybasic chains (--chain NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M], repeatable): draft
 -> MID -> target NAME, where MID is int8 / int4 / w8a8 (the target's own quantization:
@@ -89,6 +90,9 @@ def _check_args(args):
                        f"{', '.join(METHOD_KINDS)}")
     if args.draft is None and any(k in ("sd", "s2d", "s2d-cal") for k in kinds):
         raise S2DError("methods sd / s2d / s2d-cal need --draft")
+    if args.hf_baseline:
+        from s2d_jax.bench.hf_baseline import require_torch
+        require_torch()
     return targets, temps, kinds, _check_chains(args, targets, temps, kinds)
 
 
@@ -132,8 +136,8 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
 
     from s2d_jax.bench import runner as bench
     from s2d_jax.bench import chains as bench_chain
-    from s2d_jax.bench.calibrate import load_serving_config
     from s2d_jax.decode.defaults import buffer_len, prompt_width, tokenizer_eos_id
+    from s2d_jax.decode.serving_config import load_serving_config
     from s2d_jax.io.checkpoint import load_model
 
     cfg, params, _ = load_model(path, dtype=args.dtype)
@@ -199,9 +203,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                             repeats=args.repeats,
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
                             between=between)
-    log(f"[{name}] measuring per-call costs")
-    costs = bench.measure_costs(decoders, specs, prompts[0],
-                                max_new_tokens=args.max_new_tokens, probes=probes)
+    costs = bench.measure_costs(probes)
     cats = [q["category"] for q in questions]
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
@@ -276,8 +278,10 @@ def main(argv=None):
     table = bench_report.markdown_table(report)
     bench_report.write_atomic(os.path.join(out, "report.json"), json.dumps(report, indent=2))
     bench_report.write_atomic(os.path.join(out, "report.md"), table)
-    bench_report.plot(report, os.path.join(out, "speedup.png"))
     print(table)
+    if not bench_report.plot(report, os.path.join(out, "speedup.png")):
+        print(f"speedup.png skipped: matplotlib is not installed "
+              f"({bench_report.PLOT_EXTRA})", file=sys.stderr)
     return 0
 
 

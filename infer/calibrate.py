@@ -4,7 +4,9 @@
         --questions data/demo_calibration.jsonl --max-prompts 16
 
 Greedy trajectories of the target + one draft pass give per-exit acceptance; a grid of
-thresholds x gammas is ranked by the predicted speedup (Lemma 3.1 with measured costs);
+thresholds x gammas is ranked by the benchmark's predicted speedup (round costs timed
+inside the engine's decode loop, s2d_jax/bench/loop_costs.py, re-timed between the prompts
+of the runs that measure a setting, whose prediction then uses them);
 every single exit at every gamma (vanilla SD), the best --check few multi-exit settings,
 the best multi-exit one per gamma and the paper's 0.5/.../0 are measured for real
 (interleaved with AR, median of --repeats passes per prompt); the --finalists fastest
@@ -23,7 +25,7 @@ import sys
 
 from s2d_jax.errors import S2DError, cli_main
 
-COST_SAMPLES = 5  # timed samples of every per-call cost probe (medians)
+COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
 
 
 def parse_args(argv):
@@ -129,17 +131,30 @@ class Calibration:
         return bench.build_decoders(list(specs), self.cfg, self.params, self.d_cfg,
                                     self.d_params, prompt_width=self.width)
 
-    def run(self, decoders, repeats=None) -> dict:
+    def run(self, decoders, repeats=None, between=None) -> dict:
         from s2d_jax.bench import runner as bench
         return bench.run_target(decoders, self.prompts, temperatures=[0.0],
                                 max_new_tokens=self.args.max_new_tokens,
                                 max_len=self.max_len, eos_id=self.eos,
-                                repeats=repeats or self.args.repeats)["runs"][0.0]
+                                repeats=repeats or self.args.repeats,
+                                between=between)["runs"][0.0]
 
-    def measure(self, decoders) -> dict:
-        """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT."""
+    def measure(self, decoders, probe_settings=()) -> dict:
+        """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT.
+
+        probe_settings: (exits, gamma) of the settings measured; their round-cost probes
+        and AR's are timed afresh between the prompts (so costs and runs see the same
+        machine, as in the benchmark) and replace those settings' costs."""
+        from s2d_jax.bench import calibrate
         from s2d_jax.bench import runner as bench
-        per = self.run(decoders)
+        keys = list(dict.fromkeys(calibrate.setting_key(e, g) for e, g in probe_settings))
+        probes = [self.probes[k] for k in ["ar"] + keys] if keys else []
+        for p in probes:
+            p.reset()
+        per = self.run(decoders, between=lambda: [p.sample() for p in probes])
+        if keys:
+            self.costs["ar"] = self.probes["ar"].result()
+            self.costs["settings"].update({k: self.probes[k].result() for k in keys})
         ar_tps = bench._aggregate(per["ar"])["tokens_per_second"]
         out = {}
         for label, rows in per.items():
@@ -151,35 +166,49 @@ class Calibration:
 
     def measure_stats_and_costs(self) -> None:
         from s2d_jax.bench import calibrate
-        from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
+        from s2d_jax.bench import runner as bench
         log(f"[{self.name}] greedy AR trajectories on {len(self.prompts)} prompts")
-        ar_runs = self.run(self.build([self.ar_spec]), repeats=1)["ar"]
+        ar = self.build([self.ar_spec])
+        ar_runs = self.run(ar, repeats=1)["ar"]
         self.stats = calibrate.exit_stats(self.d_cfg, self.d_params, self.exits, self.prompts,
                                           [r["token_ids"] for r in ar_runs], self.max_len)
-        log(f"[{self.name}] measuring per-call costs inside jitted loops")
-        # Per call, timed the way the decode loop runs them (call_costs.py): the target's
-        # AR step and verification of gamma + 1 tokens for each gamma, and a draft step
-        # forced to each exit of every exit subset (a deeper exit pays the escalation
-        # through the shallower ones). Both sides of the predicted speedup are in-loop.
-        at = dict(start=self.width, max_len=self.max_len)
-        verify = {g: verify_probe(self.params, self.cfg, window=1, block=g, **at)
-                  for g in [0] + self.gammas}
-        steps = {calibrate.exits_key(sub): draft_step_probes(self.d_params, self.d_cfg, sub,
-                                                             **at)
-                 for sub in calibrate.exit_subsets(self.exits)}
-        probes = list(verify.values()) + [p for ps in steps.values() for p in ps]
+        # The benchmark's costs (loop_costs.py): the compiled prefill and round loop of AR
+        # and of every exit subset at every gamma, rounds forced to each exit, timed inside
+        # the decode loop at the generation's buffer length.
+        specs = [bench.MethodSpec(calibrate.setting_key(sub, g), "s2d", sub,
+                                  (0.0,) * len(sub), g)
+                 for sub in calibrate.exit_subsets(self.exits) for g in self.gammas]
+        log(f"[{self.name}] timing rounds inside the decode loop: AR and {len(specs)} exit "
+            f"subset x gamma settings")
+        self.probes = {"ar": self.probe(ar["ar"])}
+        self.probes.update({key: self.probe(dec) for key, dec in self.build(specs).items()})
         for _ in range(COST_SAMPLES):
-            for p in probes:
+            for p in self.probes.values():
                 p.sample()
-        self.costs = {"exit_costs": {k: [p.result() for p in ps] for k, ps in steps.items()},
-                      "target_verify": {str(g): verify[g].result() for g in self.gammas}}
-        self.ar_per_token = verify[0].result()
+        self.costs = {"ar": self.probes["ar"].result(),
+                      "settings": {key: p.result() for key, p in self.probes.items()
+                                   if key != "ar"}}
 
-    def predicted(self, thresholds, gamma, exits, stop=0.0):
+    def probe(self, decoder):
+        from s2d_jax.bench.loop_costs import LoopProbe
+        return LoopProbe(decoder, self.prompts[0], max_len=self.max_len)
+
+    def add_one_step_costs(self, decoder, exits, gamma) -> None:
+        """Round costs of a decoder with a draft stop (its probe also times one-step
+        rounds), for predictions of that setting with a stop."""
         from s2d_jax.bench import calibrate
-        p = calibrate.predict_config(self.stats, self.costs, self.ar_per_token, thresholds,
-                                     gamma, exits, stop)
-        return p["predicted_speedup"] if p else None
+        key = calibrate.setting_key(exits, gamma)
+        self.probes[key] = self.probe(decoder)
+        for _ in range(COST_SAMPLES):
+            self.probes[key].sample()
+        self.costs["settings"][key] = self.probes[key].result()
+
+    def predicted(self, thresholds, gamma, exits, stop=0.0) -> dict:
+        """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts)."""
+        from s2d_jax.bench import calibrate
+        p = calibrate.predict_config(self.stats, self.costs, thresholds, gamma, exits, stop)
+        return {"predicted_speedup": p["predicted_speedup"] if p else None,
+                "predicted_mat": p["mean_accepted_tokens"] if p else None}
 
 
 def _candidates(cal: Calibration) -> dict:
@@ -191,7 +220,7 @@ def _candidates(cal: Calibration) -> dict:
     from s2d_jax.bench import runner as bench
     from s2d_jax.bench import calibrate
     gammas, exits = cal.gammas, cal.exits
-    ranked = calibrate.rank_configs(cal.stats, cal.costs, cal.ar_per_token, gammas)
+    ranked = calibrate.rank_configs(cal.stats, cal.costs)
     if not ranked:
         raise S2DError("no drafted tokens in the calibration run; use longer --max-new-tokens")
     candidates = {"paper": bench.MethodSpec("paper", "s2d", exits,
@@ -220,7 +249,7 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
     measured again, the choice made on the second run (calibrate.pick_setting)."""
     from s2d_jax.bench import calibrate
     decs = cal.build([cal.ar_spec] + list(candidates.values()))
-    measured = cal.measure(decs)
+    measured = cal.measure(decs, [(c.exits, c.gamma) for c in candidates.values()])
     rows = []
     for label, spec in candidates.items():
         m = measured[label]
@@ -228,13 +257,12 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
         rows.append({"label": label, "exits": list(spec.exits),
                      "thresholds": list(spec.thresholds), "gamma": spec.gamma,
                      "measured_speedup": m["speedup"], "measured_mat": m["mat"],
-                     "predicted_speedup": cal.predicted(spec.thresholds, spec.gamma,
-                                                        spec.exits)})
+                     **cal.predicted(spec.thresholds, spec.gamma, spec.exits)})
     for r in rows:
         log(f"  {r['label']}: exits {r['exits']} thresholds {r['thresholds']} gamma "
-            f"{r['gamma']}: measured "
-            f"{r['measured_speedup']:.2f}x (MAT {r['measured_mat']:.2f}), predicted "
-            f"{r['predicted_speedup'] or float('nan'):.2f}x")
+            f"{r['gamma']}: measured {r['measured_speedup']:.2f}x (MAT "
+            f"{r['measured_mat']:.2f}), predicted {r['predicted_speedup'] or float('nan'):.2f}x "
+            f"(MAT {r['predicted_mat'] or float('nan'):.2f})")
     final = calibrate.finalists(rows, cal.args.finalists)
     log(f"[{cal.name}] measuring the {len(final)} fastest again (and the fastest single exit)")
     again = cal.measure({"ar": decs["ar"], **{r["label"]: decs[r["label"]] for r in final}})
@@ -259,14 +287,15 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
     specs = {f"stop{x}": bench.MethodSpec(f"stop{x}", "s2d", ex, th, g, x) for x in stops}
     decs = {"ar": decs["ar"], "base": decs[best["label"]], **cal.build(specs.values())}
     log(f"[calibrate] draft stop thresholds {stops} on exits {list(ex)} gamma {g}")
-    measured = cal.measure(decs)
+    cal.add_one_step_costs(decs[f"stop{stops[0]}"], ex, g)
+    measured = cal.measure(decs, [(ex, g)])
     rows = [{**base, "measured_speedup": measured["base"]["speedup"]}]
     for label, spec in specs.items():
         _require_exact(measured, label, f"draft stop {spec.stop}")
         rows.append({**base, "label": label, "stop_threshold": spec.stop,
                      "measured_speedup": measured[label]["speedup"],
                      "measured_mat": measured[label]["mat"],
-                     "predicted_speedup": cal.predicted(th, g, ex, spec.stop)})
+                     **cal.predicted(th, g, ex, spec.stop)})
     for r in rows:
         log(f"  draft stop {r['stop_threshold']}: {r['measured_speedup']:.2f}x "
             f"(MAT {r.get('measured_mat', best.get('measured_mat', float('nan'))):.2f})")
@@ -296,7 +325,7 @@ def main(argv=None):
             raise S2DError(f"{what} dir {p} does not exist")
     gammas, stops = _validate(args)
 
-    from s2d_jax.bench import calibrate
+    from s2d_jax.decode import serving_config
     cal = Calibration(args, name, path, gammas)
     cal.measure_stats_and_costs()
     candidates = _candidates(cal)
@@ -306,15 +335,15 @@ def main(argv=None):
     best, paper, decs = _pick_setting(cal, candidates)
     if stops:
         best = _pick_stop(cal, best, stops, decs)
-    record = calibrate.serving_record(path, args.draft, best, paper, args.questions,
-                                      len(cal.prompts), args.max_new_tokens)
+    record = serving_config.serving_record(path, args.draft, best, paper, args.questions,
+                                           len(cal.prompts), args.max_new_tokens)
     gain = best["measured_speedup"] / paper["measured_speedup"]
     print(f"{name}: exits {best['exits']} thresholds {best['thresholds']} gamma "
           f"{best['gamma']} draft stop {best.get('stop_threshold', 0.0)}: "
           f"{best['measured_speedup']:.2f}x vs AR, {gain:.2f}x the speedup of 0.5/.../0 "
           f"({paper['measured_speedup']:.2f}x)")
     if not args.dry_run:
-        print(f"wrote {calibrate.write_serving_config(path, record)}")
+        print(f"wrote {serving_config.write_serving_config(path, record)}")
     return 0
 
 

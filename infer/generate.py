@@ -69,7 +69,9 @@ def parse_args(argv):
     ap.add_argument("--mu", default=None, help="chain accumulation length per intermediate, "
                     "e.g. 4 or 4,8 (default: gamma each)")
     ap.add_argument("--time-split", action="store_true",
-                    help="also measure draft vs verify time per round (extra compilations)")
+                    help="also time the compiled prefill and round loop inside the decode "
+                    "loop (extra compilations): each row's prefill vs rounds seconds and the "
+                    "round cost per exit, in its stats")
     ap.add_argument("--out", default=None, metavar="FILE.jsonl")
     return ap.parse_args(argv)
 
@@ -120,7 +122,7 @@ def build_engine(args, targets: dict[str, str]):
             exits = (parse_ints(args.exits, "--exits") if args.exits else
                      draft_exits(extra, draft_cfg))
             if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
-                from s2d_jax.bench.calibrate import load_serving_config
+                from s2d_jax.decode.serving_config import load_serving_config
                 served = load_serving_config(next(iter(targets.values())))
                 if served is not None and served.get("exits"):
                     exits = [int(e) for e in served["exits"]]
@@ -129,7 +131,7 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError("method self needs --exit (how many target layers draft)")
         exits = [args.exit]
     if exits is not None and thresholds is None:
-        from s2d_jax.bench.calibrate import load_serving_config
+        from s2d_jax.decode.serving_config import load_serving_config
         for name, s in specs.items():
             served = load_serving_config(targets[name]) if args.method == "s2d" else None
             if served is not None and list(served.get("exits") or exits) == list(exits):
@@ -246,12 +248,14 @@ def main(argv=None):
                              "text": tok.decode(o["token_ids"]), "stats": o["stats"]})
             if stream:
                 print(rows[-1]["text"][len(printed[0]):], flush=True)
-        if args.time_split and args.method != "ar":
-            from s2d_jax.decode.serving import measure_time_split
-            split = measure_time_split(engine.decoder(name), [mine[0]["ids"]], **decode_kw)
+        if args.time_split:
+            from s2d_jax.bench.loop_costs import generation_split, loop_probe_costs
+            costs = loop_probe_costs(engine.decoder(name), [r["ids"] for r in mine],
+                                     max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature)
             for row in rows:
                 if row["target"] == name:
-                    row["stats"]["time_split"] = split
+                    row["stats"]["time_split"] = generation_split(costs, row["stats"])
     if args.out:
         from s2d_jax.io.atomic import write_atomic
         write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))

@@ -9,6 +9,7 @@ import pytest
 
 from infer.calibrate import main
 from s2d_jax.bench import calibrate
+from s2d_jax.decode import serving_config
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf import export_hf
@@ -29,19 +30,22 @@ def _stats():
 
 def test_simulate_replays_rounds_by_hand():
     st = _stats()
+    # 6 drafted positions: the trajectory's tokens 1..6 (token 0 is the prefill's), so the
+    # rounds add exactly 6 tokens; the last round is cut where the trajectory ends.
     # threshold 0.5 at exit 0: exits used 0,0,1,0,0,1; ok = T,T,T,T,F,T.
     # gamma 2: round@0 drafts 0,1 both ok -> +3 (k=3); round@3 drafts 3,4: 3 ok, 4 bad
-    # -> +2 (k=5); round@5 drafts 5 only (end) ok -> +2. MAT = 7/3, usage [4, 1]
-    # (drafted positions 0,1,3,4 at exit 0; 5 at exit 1; 2 was the target's bonus token).
+    # -> +2 (k=5); round@5 drafts 5 only (end) ok -> +1 (the bonus is past the end).
+    # MAT = 6/3, usage [4, 1] (drafted 0,1,3,4 at exit 0; 5 at exit 1; 2 was the target's).
     sim = calibrate.simulate(st, [0.5, 0.0], 2)
-    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["mean_accepted_tokens"] == pytest.approx(2.0)
+    assert sim["rounds"] == 3 and sim["tokens"] == 6
     assert sim["exit_usage"] == [4, 1]
     assert sim["draft_steps_per_round"] == pytest.approx(5 / 3)
     # threshold 1 = never stop at exit 0: exit 1 everywhere, ok except position 4.
     # gamma 3: round@0 drafts 0,1,2 all ok -> +4 (k=4); round@4 drafts 4,5: 4 bad -> +1
-    # (k=5); round@5 drafts 5 ok -> +2. MAT 7/3, usage [0, 6].
+    # (k=5); round@5 drafts 5 ok -> +1. MAT 6/3, usage [0, 6].
     sim = calibrate.simulate(st, [1.0, 0.0], 3)
-    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["mean_accepted_tokens"] == pytest.approx(2.0)
     assert sim["exit_usage"] == [0, 6]
 
 
@@ -50,16 +54,16 @@ def test_simulate_with_a_draft_stop_by_hand():
     # threshold 0.5 at exit 0: exits 0,0,1,0,0,1 with kept confidence .9,.8,.5,.7,.9,.5 and
     # ok = T,T,T,T,F,T. Draft stop 0.6 (drafting ends after a token below it), gamma 3:
     # round@0 drafts 0 (.9), 1 (.8), 2 (.5): all ok -> +4 (k=4); round@4 drafts 4 (.9),
-    # 5 (.5, then the window ends): 4 bad -> +1 (k=5); round@5 drafts 5 ok -> +2.
+    # 5 (.5, then the window ends): 4 bad -> +1 (k=5); round@5 drafts 5 ok -> +1.
     sim = calibrate.simulate(st, [0.5, 0.0], 3, stop=0.6)
-    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["mean_accepted_tokens"] == pytest.approx(2.0)
     # drafted: 0, 1, 2 | 4, 5 | 5 at exits 0, 0, 1 | 0, 1 | 1
     assert sim["exit_usage"] == [3, 3] and sim["draft_steps_per_round"] == pytest.approx(2)
     # stop 0.85: round@0 drafts 0 (.9), 1 (.8 < .85: last) -> both ok,
-    # +3 (k=3); round@3 drafts 3 (.7: last) ok -> +2 (k=5); round@5 drafts 5 -> +2:
+    # +3 (k=3); round@3 drafts 3 (.7: last) ok -> +2 (k=5); round@5 drafts 5 -> +1:
     # drafted 0, 1 | 3 | 5 at exits 0, 0 | 0 | 1.
     sim = calibrate.simulate(st, [0.5, 0.0], 3, stop=0.85)
-    assert sim["mean_accepted_tokens"] == pytest.approx(7 / 3)
+    assert sim["mean_accepted_tokens"] == pytest.approx(2.0)
     assert sim["exit_usage"] == [3, 1] and sim["draft_steps_per_round"] == pytest.approx(4 / 3)
     # stop 0 never stops: the plain replay
     assert calibrate.simulate(st, [0.5, 0.0], 3, stop=0.0) == calibrate.simulate(
@@ -78,44 +82,55 @@ def test_pick_stop_prefers_no_stop_on_ties():
     assert calibrate.pick_stop(rows, min_gain=0.07)["stop_threshold"] == 0.5
 
 
+def _loop(prefill, verify, steps, gamma):
+    """A LoopProbe result: a round forced to exit j = gamma draft steps at steps[j] + verify."""
+    return {"prefill_s": prefill, "round_s": [verify + gamma * c for c in steps]}
+
+
 def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
     correct = np.ones((40, 2), bool)
     conf = np.full((40, 2), 0.9, np.float32)
     st = calibrate.ExitStats((2, 4), [correct], [conf])
     assert calibrate.exit_subsets((2, 4)) == [(4,), (2,), (2, 4)]
-    costs = {"target_verify": {"2": 1.2, "4": 1.4},
-             "exit_costs": {"2,4": [0.05, 0.2], "2": [0.04], "4": [0.15]}}
-    ranked = calibrate.rank_configs(st, costs, 1.0, [2, 4], values=[0.5, 1.0])
+    verify, steps = {2: 1.2, 4: 1.4}, {(2, 4): [0.05, 0.2], (2,): [0.04], (4,): [0.15]}
+    costs = {"ar": {"prefill_s": 2.0, "round_s": [1.0]},
+             "settings": {calibrate.setting_key(e, g): _loop(2.5, verify[g], c, g)
+                          for e, c in steps.items() for g in (2, 4)}}
+    ranked = calibrate.rank_configs(st, costs, values=[0.5, 1.0])
     assert len(ranked) == 2 * (2 + 1 + 1)
     best = ranked[0]
     # exit 2 alone is always right and cheapest: vanilla SD at exit 2 with gamma 4 wins
     assert best["exits"] == [2] and best["thresholds"] == [0.0] and best["gamma"] == 4
-    assert best["mean_accepted_tokens"] > 4  # all accepted: gamma + 1 but the short last round
-    exp = 1.0 * best["mean_accepted_tokens"] / (best["draft_steps_per_round"] * 0.04 + 1.4)
-    assert best["predicted_speedup"] == pytest.approx(exp)
+    assert best["rounds"] == 8 and best["mean_accepted_tokens"] == 5  # 40 tokens, 5 a round
+    # the benchmark's formula: (P_AR + 41 R_AR) / (P + 8 rounds x (1.4 + 4 x 0.04))
+    assert best["predicted_speedup"] == pytest.approx((2.0 + 41 * 1.0) / (2.5 + 8 * 1.56))
     s2d = next(r for r in ranked if r["exits"] == [2, 4])
     assert s2d["thresholds"] == [0.5, 0.0] and s2d["exit_usage"][1] == 0
     assert ranked[-1]["predicted_speedup"] < s2d["predicted_speedup"] < best["predicted_speedup"]
     sub = st.select((4,))
     assert sub.exits == (4,) and sub.correct[0].shape == (40, 1)
+    with pytest.raises(S2DError, match="one-step round costs"):
+        calibrate.predict_config(st, costs, [0.0], 4, (2,), stop=0.5)
+    with pytest.raises(S2DError, match="no round costs measured"):
+        calibrate.predict_config(st, costs, [0.0], 3, (2,))
 
 
 def test_serving_config_roundtrip_and_refusals(tmp_path):
-    assert calibrate.load_serving_config(str(tmp_path)) is None
-    calibrate.write_serving_config(str(tmp_path), {"thresholds": [0.4, 0.0], "gamma": 3})
-    assert calibrate.load_serving_config(str(tmp_path))["thresholds"] == [0.4, 0.0]
-    assert [p.name for p in tmp_path.iterdir()] == [calibrate.SERVING_CONFIG]  # no temp left
-    assert calibrate.load_serving_config(str(tmp_path))["stop_threshold"] == 0.0  # default
-    (tmp_path / calibrate.SERVING_CONFIG).write_text('{"thresholds": [2.0], "gamma": 3}')
+    assert serving_config.load_serving_config(str(tmp_path)) is None
+    serving_config.write_serving_config(str(tmp_path), {"thresholds": [0.4, 0.0], "gamma": 3})
+    assert serving_config.load_serving_config(str(tmp_path))["thresholds"] == [0.4, 0.0]
+    assert [p.name for p in tmp_path.iterdir()] == [serving_config.SERVING_CONFIG]  # no temp left
+    assert serving_config.load_serving_config(str(tmp_path))["stop_threshold"] == 0.0  # default
+    (tmp_path / serving_config.SERVING_CONFIG).write_text('{"thresholds": [2.0], "gamma": 3}')
     with pytest.raises(S2DError, match="outside"):
-        calibrate.load_serving_config(str(tmp_path))
-    (tmp_path / calibrate.SERVING_CONFIG).write_text(
+        serving_config.load_serving_config(str(tmp_path))
+    (tmp_path / serving_config.SERVING_CONFIG).write_text(
         '{"thresholds": [0.0], "gamma": 3, "stop_threshold": 1.5}')
     with pytest.raises(S2DError, match="stop_threshold outside"):
-        calibrate.load_serving_config(str(tmp_path))
-    (tmp_path / calibrate.SERVING_CONFIG).write_text("not json")
+        serving_config.load_serving_config(str(tmp_path))
+    (tmp_path / serving_config.SERVING_CONFIG).write_text("not json")
     with pytest.raises(S2DError, match="not a valid serving config"):
-        calibrate.load_serving_config(str(tmp_path))
+        serving_config.load_serving_config(str(tmp_path))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +160,7 @@ def test_calibrate_cli_writes_a_valid_config(family, capsys):
                "--questions", str(family / "q.jsonl"), "--max-new-tokens", "8",
                "--gammas", "2", "--check", "1", "--stops", "0.5"])
     assert rc == 0
-    cfg = calibrate.load_serving_config(str(family / "target"))
+    cfg = serving_config.load_serving_config(str(family / "target"))
     assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
     assert cfg["stop_threshold"] in (0.0, 0.5)
     cap = capsys.readouterr()
@@ -216,3 +231,49 @@ def test_pick_setting_keeps_the_default_gamma_within_noise():
     assert calibrate.pick_setting([slow4, g5, g6], 0.03) is g5
     multi = _setting("m3", [1, 2], 1.95, 3)  # 3.2% faster than g5: escalation pays
     assert calibrate.pick_setting([g4, g5, multi], 0.03) is multi
+
+
+def _engine_vs_simulator(gamma, settings):
+    """(engine, simulator) per prompt and setting: rounds, MAT and exit usage."""
+    from s2d_jax.decode.serving import Decoder
+    from test_engine import CFG, NEW, PROMPTS, draft, target_params
+
+    dcfg, dparams = draft()
+    exits = (1, 2, 3)
+    ar = Decoder(CFG, target_params(), method="ar").generate(PROMPTS, max_new_tokens=NEW,
+                                                             eos_id=-1)
+    conts = [o["token_ids"] for o in ar]
+    stats = calibrate.exit_stats(dcfg, dparams, exits, PROMPTS, conts, 48)
+    dec = Decoder(CFG, target_params(), method="s2d", draft_cfg=dcfg, draft_params=dparams,
+                  exits=exits, gamma=gamma, kv_fill="full")  # exact draft keys/values
+    out = []
+    for th, stop in settings:
+        runs = dec.generate(PROMPTS, thresholds=th, stop_threshold=stop, max_new_tokens=NEW,
+                            eos_id=-1)
+        for i, (run, cont) in enumerate(zip(runs, conts)):
+            assert run["token_ids"] == cont  # greedy S2D is the target's own output
+            sim = calibrate.simulate(calibrate.ExitStats(exits, stats.correct[i:i + 1],
+                                                         stats.conf[i:i + 1]), th, gamma, stop)
+            s = run["stats"]
+            out.append(((s["rounds"], s["mean_accepted_tokens"], s["exit_usage"]),
+                        (sim["rounds"], sim["mean_accepted_tokens"], sim["exit_usage"])))
+    return out
+
+
+def test_simulator_predicts_the_engines_greedy_rounds():
+    """calibrate.simulate on the draft's pass over AR trajectories = the engine's measured
+    greedy rounds and MAT with exact draft keys/values (kv_fill="full"), per prompt, for
+    escalating thresholds with and without a draft stop; with gamma 1 (every drafted
+    token's input is the target's) the exit usage too."""
+    settings = [([0.3, 0.3, 0.0], 0.0), ([0.6, 0.2, 0.0], 0.0), ([1.0, 0.5, 0.0], 0.0),
+                ([0.3, 0.3, 0.0], 0.5)]
+    pairs = _engine_vs_simulator(3, settings)
+    for (rounds, mat, _), (sim_rounds, sim_mat, _) in pairs:
+        assert rounds == sim_rounds and mat == pytest.approx(sim_mat)
+    mats = [p[0][1] for p in pairs]
+    assert max(mats) > 1.5 and min(mats) < max(mats)  # acceptance is partial, not trivial
+    one = _engine_vs_simulator(1, settings[:3])
+    for (rounds, _, usage), (sim_rounds, _, sim_usage) in one:
+        assert rounds == sim_rounds and usage == sim_usage
+    used = np.sum([p[0][2] for p in one], axis=0)
+    assert np.count_nonzero(used) >= 2  # the thresholds really escalate

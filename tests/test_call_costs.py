@@ -13,27 +13,34 @@ from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import init_cache
 from s2d_jax.bench.loop_costs import forced_exit_thresholds
 from s2d_jax.decode.sampling import SamplingParams, probs_from_logits, speculative_verify
+from s2d_jax.decode.state import DecodeParams
 from test_engine import CFG, draft, target_params
 
 
 def test_verify_loop_equals_the_calls_made_one_by_one():
-    params, window, block, n = target_params(), 2, 3, 3
-    pos = (10 + jnp.arange(window + block, dtype=jnp.int32))[None]
-    toks = (pos * 5 + 1) % CFG.vocab_size
+    params, window, block, n, start, S = target_params(), 2, 3, 3, 10, 32
+    spec = call_costs.verify_spec(window, block, S)
+    assert spec.num_levels - 1 == window  # level 1 of this chain feeds `window` tokens
+    toks = (jnp.arange(S, dtype=jnp.int32)[None] * 5 + 1) % CFG.vocab_size
     q = jax.nn.softmax(jax.random.normal(jax.random.key(1), (1, block, CFG.vocab_size)), -1)
-    sp, key = SamplingParams.make(1.0), jax.random.key(7)
-    got = call_costs._verify_loop(params, init_cache(CFG, 1, 32), toks, pos, q, key, sp,
-                                  jnp.int32(n), cfg=CFG, window=window)
-    cache, want = init_cache(CFG, 1, 32), 0
+    dp, key = DecodeParams.make(spec, [0.0], temperature=1.0), jax.random.key(7)
+    got = call_costs._verify_loop(params, init_cache(CFG, 1, S), toks, jnp.int32(start), q,
+                                  key, dp, jnp.int32(n), cfg=CFG, spec=spec)
+    # the same calls by hand: a forward over the window + block, the accept rule
+    pos = (start - window + jnp.arange(window + block, dtype=jnp.int32))[None]
+    cache, want = init_cache(CFG, 1, S), 0
     for i in range(n):
-        logits, cache = model.forward(params, CFG, toks, pos, cache)
-        p = probs_from_logits(logits[:, window - 1:], sp)
-        k, nxt = speculative_verify(jax.random.fold_in(key, i), toks[:, window:], q, p,
-                                    greedy=False)
+        logits, cache = model.forward(params, CFG, toks[:, start - window:start + block], pos,
+                                      cache)
+        p = probs_from_logits(logits[:, window - 1:], dp.sampling)
+        # the intermediate's key: (round key, 1 + level), then its call count this round
+        k, nxt = speculative_verify(
+            jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, i), 2), i),
+            toks[:, start:start + block], q, p, greedy=False)
         want += int(k[0]) + int(nxt[0])
     assert int(got) == want
-    assert int(call_costs._verify_loop(params, init_cache(CFG, 1, 32), toks, pos, q, key, sp,
-                                       jnp.int32(0), cfg=CFG, window=window)) == 0
+    assert int(call_costs._verify_loop(params, init_cache(CFG, 1, S), toks, jnp.int32(start),
+                                       q, key, dp, jnp.int32(0), cfg=CFG, spec=spec)) == 0
 
 
 def test_draft_loop_feeds_each_drafted_token_to_the_next_step():
@@ -55,14 +62,20 @@ def test_draft_loop_feeds_each_drafted_token_to_the_next_step():
 
 def test_probes_one_per_exit_and_results_only_after_sampling():
     dcfg, dparams = draft()
-    probes = call_costs.draft_step_probes(dparams, dcfg, (1, 2, 3), start=4, max_len=64)
+    # calls: enough that a loop of these tiny models' calls outlasts the timing noise
+    probes = call_costs.draft_step_probes(dparams, dcfg, (1, 2, 3), start=4, max_len=96,
+                                          calls=64)
     assert len(probes) == 3
     verify = call_costs.verify_probe(target_params(), CFG, window=1, block=2, start=4,
-                                     max_len=64)
+                                     max_len=96, calls=64)
     with pytest.raises(S2DError, match="before any sample"):
         verify.result()
+    verify.times = {0: [1.0], verify.calls: [0.5]}  # a loop faster than an empty one
+    with pytest.raises(S2DError, match="measured no time"):
+        verify.result()
+    verify.times = {0: [], verify.calls: []}
     for p in probes + [verify]:
-        p.sample()
-        p.sample()
-        assert len(p.times[0]) == len(p.times[p.calls]) == 2
+        for _ in range(5):  # medians of 5: these tiny calls are near a loaded machine's noise
+            p.sample()
+        assert len(p.times[0]) == len(p.times[p.calls]) == 5
         assert p.result() > 0

@@ -14,7 +14,7 @@ from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.state import DecodeParams
 from s2d_jax.errors import S2DError
-from s2d_jax.decode.serving import Decoder, Engine, TargetSpec, measure_time_split
+from s2d_jax.decode.serving import Decoder, Engine, TargetSpec
 from tiny_models import numpy_params as numpy_init
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4,
@@ -206,14 +206,6 @@ def test_engine_routes_to_named_targets():
         assert sum(b["stats"]["exit_usage"]) == b["stats"]["exit_usage"][2]  # b's thresholds
     with pytest.raises(S2DError, match="unknown target"):
         eng.generate("c", [PROMPTS[0]])
-
-
-@pytest.mark.slow  # compiles draft-only and verify-only programs
-def test_time_split_is_measured():
-    split = measure_time_split(make_decoder("s2d", (1, 2, 3), 3), PROMPTS,
-                               max_new_tokens=NEW, reps=2, thresholds=[0.5] * 3)
-    assert split["draft_s_per_round"] > 0 and split["verify_s_per_round"] > 0
-    assert 0 < split["draft_fraction"] < 1
 
 
 class _Tok:

@@ -69,7 +69,7 @@ def test_s2d_cli_writes_lossless_jsonl(models):
     rc = main(["--target", f"vic={root / 'target'}", "--draft", str(root / "draft"),
                "--method", "s2d", "--thresholds", "0.3,0", "--gamma", "2",
                "--max-new-tokens", "6", "--prompts", str(root / "q.jsonl"),
-               "--batch-size", "2", "--out", str(out)])
+               "--batch-size", "2", "--time-split", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["question_id"] for r in rows] == [7, 8]
@@ -85,6 +85,13 @@ def test_s2d_cli_writes_lossless_jsonl(models):
         s = r["stats"]
         assert s["method"] == "s2d" and s["exits"] == [1, 2]  # exits read from config.json
         assert sum(s["exit_usage"]) > 0 and s["rounds"] >= 1
+        # --time-split: prefill vs rounds from the in-loop probe (loop_costs.LoopProbe)
+        split = s["time_split"]
+        assert split["prefill_s"] > 0 and len(split["round_s_per_exit"]) == 2
+        assert min(split["round_s_per_exit"]) <= split["round_s"] <= max(split["round_s_per_exit"])
+        assert split["rounds_s"] == pytest.approx(s["rounds"] * split["round_s"])
+        assert split["prefill_fraction"] == pytest.approx(
+            split["prefill_s"] / (split["prefill_s"] + split["rounds_s"]))
 
 
 def _error(capsys, argv):

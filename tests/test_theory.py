@@ -13,19 +13,6 @@ def test_lemma_3_1_two_and_three_models():
     assert theory.chain_time_per_token([10, 4, 1], [4, 2], 3) == pytest.approx(6.0)
 
 
-def test_two_level_speedup_by_hand():
-    # exits cost 1 and 2 ms, used 3:1 -> mean step 1.25 ms; gamma 4 -> 5 ms drafting;
-    # verify 12 ms -> round 17 ms; MAT 3.4 -> speedup 10 * 3.4 / 17 = 2.0
-    out = theory.two_level(10.0, 12.0, [1.0, 2.0], [3, 1], 3.4, 4)
-    assert out["draft_step_s"] == pytest.approx(1.25)
-    assert out["round_s"] == pytest.approx(17.0)
-    assert out["time_per_token_s"] == pytest.approx(5.0)
-    assert out["predicted_speedup"] == pytest.approx(2.0)
-    # the same number from the general lemma: T_ar / (T / N)
-    per_token = theory.chain_time_per_token([12.0, 1.25], [3.4], 4)
-    assert 10.0 / per_token == pytest.approx(out["predicted_speedup"])
-
-
 def test_insertion_rule_both_sides():
     # before: 10/2 + 4*1/2 = 7; after (10, 3, 1), L = (4, 2), beta 4 -> 2.5 + 1.5 + 2 = 6
     out = theory.insertion_gain([10, 1], [2], 4, position=1, candidate_cost=3,
@@ -45,9 +32,7 @@ def test_bad_inputs_raise():
     with pytest.raises(S2DError):
         theory.chain_time_per_token([10, 0], [3], 4)
     with pytest.raises(S2DError):
-        theory.two_level(1, 1, [1, 2], [0, 0], 2, 4)
-    with pytest.raises(S2DError):
-        theory.two_level(1, 1, [1], [1], 0.5, 4)
+        theory.draft_step_cost([1, 2], [0, 0])
     with pytest.raises(S2DError):
         theory.insertion_gain([10, 1], [2], 4, position=2, candidate_cost=3,
                               new_accept_lengths=[4, 2])
@@ -107,3 +92,18 @@ def test_round_costs_at_steps_interpolates_between_one_and_gamma_steps():
     assert theory.round_costs_at_steps(full, one, 1.0, 4) == [1.0, 1.5]
     assert theory.round_costs_at_steps(full, one, 2.5, 4) == pytest.approx([1.5, 2.25])
     assert theory.round_costs_at_steps(full, one, 1.0, 1) == [2.0, 3.0]  # gamma 1: one step
+
+
+def test_loop_prediction_applies_the_one_step_rounds_of_a_draft_stop():
+    ar = {"prefill_s": 0.01, "round_s": [0.002]}
+    probe = {"prefill_s": 0.012, "round_s": [0.004, 0.006]}
+    kw = dict(prompts=2, tokens=100, rounds=30)
+    want = theory.loop_speedup(0.002, 0.01, [0.004, 0.006], [3, 1], 0.012, **kw)
+    assert theory.loop_prediction(ar, probe, [3, 1], 4.0, 4, **kw) == want
+    # 2.5 of gamma 4 draft steps per round: halfway between one-step and full rounds
+    stop = {**probe, "one_step_round_s": [0.002, 0.003]}
+    got = theory.loop_prediction(ar, stop, [3, 1], 2.5, 4, **kw)
+    assert got == theory.loop_speedup(0.002, 0.01, [0.003, 0.0045], [3, 1], 0.012, **kw)
+    # no drafted token: every forced exit's round weighs the same
+    none = theory.loop_prediction(ar, probe, [0, 0], 0.0, 4, **kw)
+    assert none["round_s"] == pytest.approx(0.005)

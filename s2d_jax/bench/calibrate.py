@@ -1,31 +1,31 @@
 """Per-exit S2D thresholds (and gamma) for one target, chosen by the time model.
 
-1. Greedy AR trajectories of the target on held-in prompts (timed: the AR cost per token).
+1. Greedy AR trajectories of the target on held-in prompts.
 2. One pass of the sorted draft over each trajectory: per position and exit, the exit's
    greedy token, whether it equals the target's token, and its confidence (max prob).
 3. For every (thresholds, gamma) on a grid, replay the rounds along the trajectories: a
    drafted token stops at the first exit whose confidence reaches its threshold; a round
    accepts the drafted prefix that matches the target, plus the target's own token. This
-   gives MAT and exit usage exactly for greedy decoding up to the CALM approximation of
-   skipped layers' keys/values (the pass in 2 computes true keys/values everywhere).
-4. theory.two_level with measured costs ranks the grid (every subset of the draft's exits).
-   Measured for real (infer/calibrate.py): every single exit at every gamma (vanilla SD,
-   so the calibrated setting falls back to the fastest single exit when escalating does
-   not pay), the best few predicted multi-exit settings and the paper's 0.5/.../0. The
-   fastest few are measured again (`finalists`: the best of many noisy runs is biased
-   up), and the fastest on that second run is written to DIR/s2d_serving.json
-   (atomically): the setting closest to the default (one exit, gamma 4) within a noise
-   margin of the fastest (`pick_setting`).
+   gives the greedy MAT exactly up to the CALM approximation of skipped layers'
+   keys/values (the pass in 2 computes true keys/values everywhere; `simulate` says what
+   the exit usage misses).
+4. The benchmark's prediction (theory.loop_prediction) ranks the grid, with round costs
+   timed inside the engine's decode loop (loop_costs.LoopProbe: one probe per exit subset
+   and gamma, forced to each exit; the target's AR step likewise). Measured for real
+   (infer/calibrate.py): every single exit at every gamma (vanilla SD, so the calibrated
+   setting falls back to the fastest single exit when escalating does not pay), the best
+   few predicted multi-exit settings and the paper's 0.5/.../0. The fastest few are
+   measured again (`finalists`: the best of many noisy runs is biased up), and the
+   setting closest to the default (one exit, gamma 4) within a noise margin of the
+   fastest on that second run (`pick_setting`) is written to DIR/s2d_serving.json
+   (decode/serving_config.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import itertools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,43 +33,6 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
-
-SERVING_CONFIG = "s2d_serving.json"
-
-
-def serving_config_path(target_dir: str) -> str:
-    if os.path.isfile(target_dir):  # a .gguf target: next to the file
-        return f"{target_dir}.{SERVING_CONFIG}"
-    return os.path.join(target_dir, SERVING_CONFIG)
-
-
-def load_serving_config(target_dir: str) -> dict | None:
-    """The calibrated S2D settings of a target dir, or None when it has none."""
-    path = serving_config_path(target_dir)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-        th = [float(t) for t in cfg["thresholds"]]
-        gamma = int(cfg["gamma"])
-        stop = float(cfg.get("stop_threshold", 0.0))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
-                       f"'gamma'); delete it or rerun python -m infer.calibrate")
-    if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1
-            or not 0.0 <= stop <= 1.0):
-        raise S2DError(f"{path} has thresholds or stop_threshold outside [0, 1] or gamma < 1; "
-                       f"rerun python -m infer.calibrate")
-    return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
-
-
-def write_serving_config(target_dir: str, cfg: dict) -> str:
-    from s2d_jax.io.atomic import write_atomic
-    path = serving_config_path(target_dir)
-    write_atomic(path, json.dumps(cfg, indent=2) + "\n")
-    return path
-
 
 @dataclasses.dataclass
 class ExitStats:
@@ -131,10 +94,19 @@ def exit_stats(draft_cfg, draft_params, exits, prompts: list[list[int]],
 
 
 def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dict:
-    """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round"}.
+    """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round",
+    "rounds", "tokens"} (tokens: those the rounds add; each prompt's first token comes from
+    the prefill).
 
-    stop > 0: the dynamic draft length (chain.draft_block): after a drafted token whose
-    kept exit's confidence is below `stop`, the round drafts nothing more."""
+    A round adds at most what is left of the trajectory (the engine cuts at max_new_tokens
+    and EOS). stop > 0: the dynamic draft length (chain.draft_block): after a drafted token
+    whose kept exit's confidence is below `stop`, the round drafts nothing more.
+
+    Exact for the engine's greedy MAT with exact draft keys/values (kv_fill="full"): a
+    round's accepted prefix only depends on drafted tokens whose inputs are the target's.
+    Exit usage is exact for gamma 1; with a longer block the engine drafts the tokens after
+    a rejection (and the last round's tokens past the trajectory) from its own guesses,
+    which the replay scores on the target's tokens."""
     th = np.asarray(thresholds, np.float32)
     m = th.shape[0]
     usage = np.zeros(m, np.int64)
@@ -156,11 +128,13 @@ def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dic
             window = ok[k:k + g]
             a = int(np.argmin(window)) if not window.all() else g
             np.add.at(usage, exit_idx[k:k + g], 1)
+            added = min(a + 1, n - k)
             rounds += 1
-            tokens += a + 1
-            k += a + 1
+            tokens += added
+            k += added
     return {"mean_accepted_tokens": tokens / max(rounds, 1), "exit_usage": usage.tolist(),
-            "draft_steps_per_round": float(usage.sum()) / max(rounds, 1)}
+            "draft_steps_per_round": float(usage.sum()) / max(rounds, 1),
+            "rounds": rounds, "tokens": tokens}
 
 
 def threshold_grid(num_exits: int, values=None) -> list[tuple[float, ...]]:
@@ -170,38 +144,57 @@ def threshold_grid(num_exits: int, values=None) -> list[tuple[float, ...]]:
     return [tuple(c) + (0.0,) for c in itertools.product(values, repeat=num_exits - 1)]
 
 
-def predict_config(stats: ExitStats, costs: dict, ar_per_token: float, thresholds,
-                   gamma: int, exits=None, stop: float = 0.0) -> dict | None:
-    """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma).
+def setting_key(exits, gamma: int) -> str:
+    """Key of one (exit subset, gamma) in costs["settings"]: "1,3@4"."""
+    return f"{exits_key(exits)}@{int(gamma)}"
 
-    costs (seconds per call, timed inside jitted loops, call_costs.py): target_verify
-    {str(gamma): s}, exit_costs {exits_key: [s per draft step stopping at each exit]}.
-    ar_per_token: T_target(1), the target's AR step timed the same way."""
+
+def parse_setting_key(key: str) -> tuple[tuple[int, ...], int]:
+    exits, _, gamma = key.partition("@")
+    return tuple(int(e) for e in exits.split(",")), int(gamma)
+
+
+def predict_config(stats: ExitStats, costs: dict, thresholds, gamma: int, exits=None,
+                   stop: float = 0.0) -> dict | None:
+    """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma,
+    draft stop), by the benchmark's own formula (theory.loop_prediction).
+
+    costs: in-loop round costs (loop_costs.LoopProbe results, as the benchmark measures
+    them): "ar" the target's AR probe, "settings" {setting_key: probe of an S2D decoder
+    with those exits and gamma} ("one_step_round_s" needed when stop > 0)."""
     exits = tuple(stats.exits if exits is None else exits)
     sim = simulate(stats.select(exits), thresholds, gamma, stop)
     if sum(sim["exit_usage"]) == 0:
         return None
-    verify = costs["target_verify"][str(gamma)]
-    pred = theory.two_level(ar_per_token, verify, costs["exit_costs"][exits_key(exits)],
-                            sim["exit_usage"], sim["mean_accepted_tokens"],
-                            sim["draft_steps_per_round"])
+    key = setting_key(exits, gamma)
+    if key not in costs["settings"]:
+        raise S2DError(f"no round costs measured for exits {list(exits)} at gamma {gamma}; "
+                       f"probe that setting first")
+    loop = costs["settings"][key]
+    if stop > 0 and "one_step_round_s" not in loop:
+        raise S2DError(f"a draft stop needs the one-step round costs of exits {list(exits)} "
+                       f"at gamma {gamma}; probe a decoder with a stop threshold")
+    if stop == 0:
+        loop = {k: v for k, v in loop.items() if k != "one_step_round_s"}
+    prompts = len(stats.correct)
+    pred = theory.loop_prediction(costs["ar"], loop, sim["exit_usage"],
+                                  sim["draft_steps_per_round"], gamma, prompts=prompts,
+                                  tokens=sim["tokens"] + prompts, rounds=sim["rounds"])
     return {"exits": list(exits), "thresholds": [float(t) for t in thresholds],
             "gamma": int(gamma), "stop_threshold": float(stop), **sim,
             "predicted_speedup": pred["predicted_speedup"]}
 
 
-def rank_configs(stats: ExitStats, costs: dict, ar_per_token: float, gammas,
-                 values=None) -> list[dict]:
-    """Every (exit subset with measured costs, thresholds, gamma) of the grid with its
+def rank_configs(stats: ExitStats, costs: dict, values=None) -> list[dict]:
+    """Every (exit subset, gamma) with measured round costs x the threshold grid, with its
     prediction, best first."""
     out = []
-    for key in costs["exit_costs"]:
-        exits = tuple(int(e) for e in key.split(","))
-        for g in gammas:
-            for th in threshold_grid(len(exits), values):
-                r = predict_config(stats, costs, ar_per_token, th, g, exits)
-                if r is not None:
-                    out.append(r)
+    for key in costs["settings"]:
+        exits, g = parse_setting_key(key)
+        for th in threshold_grid(len(exits), values):
+            r = predict_config(stats, costs, th, g, exits)
+            if r is not None:
+                out.append(r)
     out.sort(key=lambda r: -r["predicted_speedup"])
     return out
 
@@ -241,23 +234,3 @@ def pick_stop(rows: list[dict], min_gain: float = 0.0, key: str = "measured_spee
     if off and best[key] < off[0][key] * (1.0 + min_gain):
         return off[0]
     return best
-
-
-def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,
-                   questions: str, num_prompts: int, max_new_tokens: int) -> dict:
-    """The serving config's content. Paths (informational) are relative to the target dir,
-    where the config lives, so a moved or cloned tree keeps them right."""
-    def rel(path):
-        return os.path.relpath(os.path.abspath(path), os.path.abspath(target_dir))
-
-    return {"draft": rel(draft_dir), "exits": [int(e) for e in best["exits"]],
-            "thresholds": best["thresholds"], "gamma": best["gamma"],
-            "stop_threshold": float(best.get("stop_threshold", 0.0)),
-            "measured_speedup": best.get("measured_speedup"),
-            "predicted_speedup": best["predicted_speedup"],
-            "paper_thresholds_measured_speedup": None if paper is None
-            else paper.get("measured_speedup"),
-            "calibrated_on": {"questions": rel(questions), "prompts": num_prompts,
-                              "max_new_tokens": max_new_tokens,
-                              "utc": datetime.datetime.now(datetime.timezone.utc)
-                              .strftime("%Y-%m-%dT%H:%M:%SZ")}}

@@ -2,7 +2,8 @@
 
 The insertion rule (theory.py, Lemma 3.1 / Theorem 3.2 forms) needs the cost of one call
 of each level: a target or intermediate forward + verification over a catch-up window and
-a block, and one draft step stopping at each exit. Timing each call as its own jitted
+a block (the engine's round.verify), and one draft step stopping at each exit (its
+drafting.draft_token on pre-sliced exit segments). Timing each call as its own jitted
 call (one dispatch, a cache handed back and forth) made them 10-50% dearer than the same
 call inside the engine's while loop, and the chain predictions missed by as much. Here a
 `lax.fori_loop` runs the call `n` times on a carried cache in one program (the way the
@@ -23,29 +24,47 @@ import time
 import jax
 import jax.numpy as jnp
 
-from s2d_jax.model import transformer as model
+from s2d_jax.bench.loop_costs import forced_exit_thresholds
+from s2d_jax.decode.round import Block, RoundCtx, verify
 from s2d_jax.decode.drafting import draft_token, with_exit_segments
+from s2d_jax.decode.sampling import SamplingParams
+from s2d_jax.decode.state import DecodeParams, RoundStats, SpecConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import init_cache
-from s2d_jax.bench.loop_costs import forced_exit_thresholds
-from s2d_jax.decode.sampling import SamplingParams, probs_from_logits, speculative_verify
 
 CALLS = 24  # calls per timed loop: long enough to dwarf the dispatch, short for the probes
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"))
-def _verify_loop(params, cache, toks, pos, q, key, sp, n, *, cfg, window):
-    """n verification calls as chain.verify_block makes them (forward over window + block,
-    distributions, the accept rule); each call depends on the cache the last one wrote."""
-    def body(i, carry):
-        cache, acc = carry
-        logits, cache = model.forward(params, cfg, toks, pos, cache)
-        p = probs_from_logits(logits[:, window - 1:], sp)
-        k, nxt = speculative_verify(jax.random.fold_in(key, i), toks[:, window:], q, p,
-                                    greedy=sp.greedy)
-        return cache, acc + k[0] + nxt[0]
+def verify_spec(window: int, block: int, max_len: int) -> SpecConfig:
+    """A chain whose level 1 feeds a catch-up window of `window` tokens before a block of
+    `block`: round.verify then makes exactly the call a level with that window
+    makes in the engine (the target of a two-level round: window 1; the intermediate of a
+    3-level chain: window 2)."""
+    return SpecConfig(method="s2d", exits=(1,), gamma=max(block, 1), max_len=max_len,
+                      mus=(1,) * (window - 1))
 
-    return jax.lax.fori_loop(0, n, body, (cache, jnp.int32(0)))[1]
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def _verify_loop(params, cache, toks, start, q, key, dp, n, *, cfg, spec):
+    """n calls of the engine's round.verify (level 1 of `spec`: a forward over the
+    window + block, the distributions, the accept rule) on the block at toks[start:];
+    each call depends on the cache the last one wrote."""
+    B, M = q.shape[:2]
+    L = spec.num_levels
+    zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
+    ctx = RoundCtx(work=toks, end=jnp.full((B,), start, jnp.int32),
+                   caches=(None, cache) + (None,) * (L - 2), key=key, calls=zeros((L,)),
+                   stats=RoundStats.zeros(B, spec))
+    block = Block(q, jnp.full((B,), M, jnp.int32), zeros((B, M)))
+    rows = jnp.ones((B,), bool)
+
+    def body(i, carry):
+        ctx, acc = carry
+        ctx, v = verify(ctx.replace(key=jax.random.fold_in(key, i)), 1, block, rows, params,
+                        dp, cfg=cfg, spec=spec)
+        return ctx, acc + v.accepted[0] + v.next_token[0]
+
+    return jax.lax.fori_loop(0, n, body, (ctx, jnp.int32(0)))[1]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "exits", "conf_kind", "kv_fill"))
@@ -83,32 +102,37 @@ class CallProbe:
         if not self.times[0]:
             raise S2DError("CallProbe.result() before any sample(); call sample() first")
         med = statistics.median
-        return max((med(self.times[self.calls]) - med(self.times[0])) / self.calls, 1e-9)
+        cost = (med(self.times[self.calls]) - med(self.times[0])) / self.calls
+        if cost <= 0:
+            raise S2DError(f"the call probe measured no time for {self.calls} calls over an "
+                           f"empty loop ({len(self.times[0])} samples): the machine was too "
+                           f"noisy; sample() more often or time more calls per loop (calls=)")
+        return cost
 
 
 def verify_probe(params, cfg, *, window: int, block: int, start: int, max_len: int,
-                 temperature: float = 0.0) -> CallProbe:
+                 temperature: float = 0.0, calls: int = CALLS) -> CallProbe:
     """Cost of one call of a level scoring `block` proposed tokens after a catch-up window
     of `window` tokens (block 0, window 1: one autoregressive step), on a cache of the
     benchmark's length (attention covers the whole buffer, so only the shapes and greedy
     vs sampling, a different program, matter; not the token values)."""
-    width = window + block
-    start = max(0, min(start, max_len - width))
-    pos = (start + jnp.arange(width, dtype=jnp.int32))[None, :]
+    spec = verify_spec(window, block, max_len)
+    start = max(window, min(start, max_len - block - 1))
     q = jnp.full((1, block, cfg.vocab_size), 1.0 / cfg.vocab_size, jnp.float32)
-    args = (params, init_cache(cfg, 1, max_len), jnp.ones((1, width), jnp.int32), pos, q,
-            jax.random.key(0), SamplingParams.make(temperature))
-    return CallProbe(functools.partial(_verify_loop, cfg=cfg, window=window), args)
+    dp = DecodeParams.make(spec, [0.0], temperature=temperature)
+    args = (params, init_cache(cfg, 1, max_len), jnp.ones((1, max_len), jnp.int32),
+            jnp.int32(start), q, jax.random.key(0), dp)
+    return CallProbe(functools.partial(_verify_loop, cfg=cfg, spec=spec), args, calls)
 
 
 def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,
                       temperature: float = 0.0, conf_kind: str = "max_prob",
-                      kv_fill: str = "calm") -> list[CallProbe]:
+                      kv_fill: str = "calm", calls: int = CALLS) -> list[CallProbe]:
     """One probe per exit j: a draft step of the sorted draft with `exits` forced to stop
     at exit j (thresholds are traced: one compilation serves every exit)."""
     exits = tuple(int(e) for e in exits)
     cfg = dataclasses.replace(cfg, num_layers=exits[-1])  # the engine's draft cache
-    start = max(0, min(start, max_len - CALLS - 1))
+    start = max(0, min(start, max_len - calls - 1))
     loop = functools.partial(_draft_loop, cfg=cfg, exits=exits, conf_kind=conf_kind,
                              kv_fill=kv_fill)
     probes = []
@@ -117,6 +141,6 @@ def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,
         args = (params, init_cache(cfg, 1, max_len), jnp.ones((1,), jnp.int32),
                 jnp.full((1, 1), start, jnp.int32), jax.random.key(0),
                 SamplingParams.make(temperature), th)
-        probes.append(CallProbe(loop, args))
+        probes.append(CallProbe(loop, args, calls))
     return probes
 

@@ -1,10 +1,24 @@
 """The same prompts through HF `transformers` generate (PyTorch, CPU, float32, greedy), plain
 and with `assistant_model` (the draft dir loaded as a full-depth Llama), for comparison.
-One warm-up generation per mode; wall time per prompt; tokens/s over all prompts."""
+One warm-up generation per mode; wall time per prompt; tokens/s over all prompts.
+torch is an optional extra (TORCH_EXTRA); `require_torch` checks for it up front."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
+
+from s2d_jax.errors import S2DError
+
+TORCH_EXTRA = "pip install -e '.[bench]'"
+
+
+def require_torch() -> None:
+    """One-line S2DError when torch or transformers (the HF baseline's runtime) is missing."""
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise S2DError(f"--hf-baseline needs {' and '.join(missing)} (not installed); install "
+                       f"the extra: {TORCH_EXTRA}")
 
 
 def _load(path: str):

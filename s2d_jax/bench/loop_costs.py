@@ -1,9 +1,9 @@
 """Per-round costs measured inside the engine's own decode loop.
 
-Timing the draft and verify phases as separately jitted calls (serving.measure_time_split)
-adds what the loop never pays: a dispatch per call and copies of the undonated state. On
-the demo targets (a decode step of 0.5-6 ms) that inflates costs by up to half and the
-speedup prediction goes wrong. Here the compiled prefill and round loop
+Timing the draft and verify phases as separately jitted calls adds what the loop never
+pays: a dispatch per call and copies of the undonated state. On the demo targets (a
+decode step of 0.5-6 ms) that inflated costs by up to half and the speedup prediction
+went wrong. Here the compiled prefill and round loop
 (engine.prefill / engine.decode_chunk, the very programs a generation runs) are timed:
 
   prefill_s  one prefill (target and draft over the prompt, first token)
@@ -99,6 +99,11 @@ class LoopProbe:
         d = self.decoder
         return (d.draft_params, d.target_params, dp, jnp.int32(k), d.mid_params)
 
+    def reset(self) -> None:
+        """Drop the samples taken so far (to time the probe afresh beside other runs)."""
+        self.prefill_s = []
+        self.times = [{k: [] for k in t} for t in self.times]
+
     def sample(self) -> None:
         for dp, times in zip(self.dps, self.times):
             args = self._prefill_args(dp)
@@ -119,10 +124,48 @@ class LoopProbe:
         if not self.prefill_s:
             raise S2DError("LoopProbe.result() before any sample(); call sample() first")
         k, med = self.rounds, statistics.median
-        per_round = [max((med(t[k]) - med(t[0])) / k, 1e-9) for t in self.times]
+        per_round = [(med(t[k]) - med(t[0])) / k for t in self.times]
+        if min(per_round) <= 0:
+            raise S2DError(f"the round probe measured no time for {k} rounds over an empty "
+                           f"call ({len(self.prefill_s) // len(self.dps)} samples): the machine "
+                           f"was too noisy; sample() more often or give it a longer buffer "
+                           f"(max_len) so each timing runs more rounds")
         m = max(self.spec.num_exits, 1)
         out = {"prefill_s": med(self.prefill_s), "round_s": per_round[:m], "rounds": k,
                "max_len": self.spec.max_len, "trials": len(self.prefill_s) // len(self.dps)}
         if len(per_round) > m:
             out["one_step_round_s"] = per_round[m:]
         return out
+
+
+def generation_split(costs: dict, stats: dict) -> dict:
+    """One generation's time split into its prefill and its rounds, from a probe's
+    `result()` and the generation's stats (rounds, exit usage): the round cost is the
+    probe's per forced exit weighted by the exit usage (with a dynamic draft length, at
+    the generation's draft steps per round)."""
+    from s2d_jax.bench import theory
+
+    round_s, usage, rounds = costs["round_s"], stats["exit_usage"], stats["rounds"]
+    if "one_step_round_s" in costs and rounds:
+        round_s = theory.round_costs_at_steps(round_s, costs["one_step_round_s"],
+                                              sum(usage) / rounds, stats["gamma"])
+    per_round = theory.draft_step_cost(round_s, usage) if any(usage) else round_s[0]
+    rounds_s = rounds * per_round
+    return {"prefill_s": costs["prefill_s"], "round_s": per_round, "rounds_s": rounds_s,
+            "prefill_fraction": costs["prefill_s"] / (costs["prefill_s"] + rounds_s),
+            "round_s_per_exit": list(costs["round_s"])}
+
+
+def loop_probe_costs(decoder, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+                     samples: int = 5, min_rounds: int = 16) -> dict:
+    """`result()` of a LoopProbe on the first prompt, sampled `samples` times back to back,
+    at the buffer length a generation of `prompts` uses, lengthened (within the context)
+    to hold `min_rounds` rounds: a short generation's few rounds time below the noise."""
+    spec, arr, _ = decoder.prepare(prompts, max_new_tokens)
+    span = spec.round_span
+    room = -(-(arr.shape[1] + (min_rounds + 1) * span + 2) // 64) * 64
+    probe = LoopProbe(decoder, prompts[0], max_len=min(max(spec.max_len, room), decoder.context),
+                      temperature=temperature)
+    for _ in range(samples):
+        probe.sample()
+    return probe.result()

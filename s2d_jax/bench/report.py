@@ -226,10 +226,18 @@ def write_answers(path: str, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def plot(report: dict, path: str) -> None:
+PLOT_EXTRA = "pip install -e '.[bench]'"
+
+
+def plot(report: dict, path: str) -> bool:
+    """Write the speedup and exit-usage plot; False (nothing written) without matplotlib,
+    an optional extra (PLOT_EXTRA)."""
     import io
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -265,3 +273,4 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
+    return True

@@ -5,10 +5,9 @@ k layers), S2D with calibrated thresholds (from the target's s2d_serving.json) a
 with the paper's 0.5 / 0.5 / 0. Every prompt runs every method back to back (in an order
 rotated per prompt) after one warm-up generation per method, so slow phases of a shared
 machine hit all methods alike; compilation is excluded from tokens/s and reported apart.
-Predicted speedups come from theory.py with round costs timed inside the engine's decode
-loop per forced exit (loop_costs.py), sampled after every prompt so that costs and runs
-see the same machine; the engine's separately timed draft and verify phases
-(`phase_costs`) are reported too.
+Predicted speedups come from theory.loop_prediction with round costs timed inside the
+engine's decode loop per forced exit (loop_costs.py), sampled after every prompt so that
+costs and runs see the same machine.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
-from s2d_jax.decode.serving import Decoder, measure_time_split
+from s2d_jax.decode.serving import Decoder
 
 PAPER_THRESHOLD = 0.5
 METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal")
@@ -204,67 +203,30 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                      "thresholds": (list(by_label[label].thresholds)
                                     if by_label[label].thresholds else None),
                      "stop_threshold": by_label[label].stop}
-            entry.update(predict(entry, costs, label, ar_agg, str(t), len(rows)))
+            entry.update(predict(entry, costs, label, str(t), len(rows)))
             res[label] = entry
         out[str(t)] = res
     return out
 
 
-def predict(entry: dict, costs: dict | None, label: str, ar_agg: dict | None,
-            temperature: str = "0.0", prompts: int = 1) -> dict:
-    """predicted_speedup from the time model with measured costs and this run's rounds and
-    exit usage: theory.loop_speedup on in-loop round costs of the method and of AR
-    (costs["loop"], loop_costs.py) when measured, else theory.two_level on separately
-    timed phases with T_target(1) the measured AR time per token."""
+def predict(entry: dict, costs: dict | None, label: str, temperature: str = "0.0",
+            prompts: int = 1) -> dict:
+    """predicted_speedup from the time model (theory.loop_prediction) on in-loop round costs
+    of the method and of AR (costs["loop"], loop_costs.py) with this run's rounds and exit
+    usage; None where a side was not probed (no ar run, a chain: chains.py fills those)."""
     if label == "ar":
         return {"predicted_speedup": 1.0, "measured_over_predicted": 1.0}
     loop = (costs or {}).get("loop", {}).get(temperature, {})
-    if label in loop and "ar" in loop and entry["rounds"]:
-        # Both sides from in-loop probes timed interleaved at the generation's buffer
-        # length (loop_costs.py): T_AR = prompts * P_AR + N * T_target(1).
-        usage = entry["exit_usage"] if any(entry["exit_usage"]) else [1.0]
-        rounds_s = loop[label]["round_s"]
-        if "one_step_round_s" in loop[label]:  # dynamic draft length: beta < gamma steps
-            rounds_s = theory.round_costs_at_steps(rounds_s, loop[label]["one_step_round_s"],
-                                                   entry["draft_steps_per_round"],
-                                                   entry["gamma"])
-        pred = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
-                                   rounds_s, usage, loop[label]["prefill_s"],
-                                   prompts=prompts, tokens=entry["new_tokens"],
-                                   rounds=entry["rounds"])
-    elif (costs is None or ar_agg is None or not ar_agg["tokens_per_second"]
-            or label not in costs.get("draft_exits", {})
-            or not entry["mean_accepted_tokens"] or not entry["draft_steps_per_round"]):
+    if label not in loop or "ar" not in loop or not entry["rounds"]:
         return {"predicted_speedup": None, "measured_over_predicted": None}
-    else:
-        pred = theory.two_level(1.0 / ar_agg["tokens_per_second"],
-                                costs["target_verify"][label], costs["draft_exits"][label],
-                                entry["exit_usage"], entry["mean_accepted_tokens"],
-                                entry["draft_steps_per_round"])
+    pred = theory.loop_prediction(loop["ar"], loop[label], entry["exit_usage"],
+                                  entry["draft_steps_per_round"], entry["gamma"],
+                                  prompts=prompts, tokens=entry["new_tokens"],
+                                  rounds=entry["rounds"])
     ratio = (entry["speedup_vs_ar"] / pred["predicted_speedup"]
              if entry["speedup_vs_ar"] else None)
     return {"predicted_speedup": pred["predicted_speedup"], "measured_over_predicted": ratio,
             "predicted_round_s": pred["round_s"]}
-
-
-def phase_costs(decoder: Decoder, prompt: list[int], *, max_new_tokens: int, reps: int = 4,
-                trials: int = 3, temperature: float = 0.0) -> tuple[list[float], float]:
-    """(seconds per draft step stopping at each exit, seconds per verification of gamma + 1
-    tokens), timed on the engine's own draft and verify phases (serving.measure_time_split,
-    one jit each; thresholds are traced, so forcing each exit does not recompile). A
-    threshold of 1 never stops at an exit, 0 always does. Best of `trials` means of `reps`
-    calls: on a shared machine the minimum is the stable statistic. Greedy and sampling
-    are different programs (sampling.py), so costs are per temperature kind."""
-    m, gamma = len(decoder.spec_base.exits), decoder.spec_base.gamma
-    steps, verify = [], []
-    for j in range(m):
-        th = [1.0] * j + [0.0] * (m - j)
-        splits = [measure_time_split(decoder, [prompt], max_new_tokens=max_new_tokens,
-                                     reps=reps, thresholds=th, temperature=temperature)
-                  for _ in range(trials)]
-        steps.append(min(s["draft_s_per_round"] for s in splits) / gamma)
-        verify.append(min(s["verify_s_per_round"] for s in splits))
-    return steps, min(verify)
 
 
 def cost_probes(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
@@ -285,19 +247,9 @@ def sample_probes(probes: dict) -> None:
             probe.sample()
 
 
-def measure_costs(decoders: dict, specs: list[MethodSpec], prompt: list[int], *,
-                  max_new_tokens: int, probes: dict) -> dict:
-    """{"draft_exits": {label: [s per step at each exit]}, "target_verify": {label: s}}
-    (separately jitted phases, greedy: the split of a round), and "loop": {temperature:
-    {label: {"prefill_s", "round_s": [per forced exit], ...}}} from `probes` (cost_probes,
-    timed inside the decode loop at the generation's buffer length and sampled during the
-    runs; greedy and sampling are different programs), used for predictions."""
-    costs = {"draft_exits": {}, "target_verify": {}}
-    for s in specs:
-        if s.method != "ar":
-            steps, verify = phase_costs(decoders[s.label], prompt,
-                                        max_new_tokens=max_new_tokens)
-            costs["draft_exits"][s.label], costs["target_verify"][s.label] = steps, verify
-    costs["loop"] = {t: {label: p.result() for label, p in per_label.items()}
-                     for t, per_label in probes.items()}
-    return costs
+def measure_costs(probes: dict) -> dict:
+    """{"loop": {temperature: {label: {"prefill_s", "round_s": [per forced exit], ...}}}}
+    from `probes` (cost_probes, timed inside the decode loop at the generation's buffer
+    length and sampled during the runs; greedy and sampling are different programs)."""
+    return {"loop": {t: {label: p.result() for label, p in per_label.items()}
+                     for t, per_label in probes.items()}}

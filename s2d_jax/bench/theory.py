@@ -38,9 +38,11 @@ candidate's when verifying the drafter, and beta' the drafter's calls per candid
 T_1' may differ from T_1: the target then verifies a longer block (gamma + mu_c + 1
 positions instead of gamma + 1), so `insertion_gain` takes the new chain's costs too.
 
-`two_level` is Lemma 3.1 with n = 2 written for our engine: T_1 depends on the number of
-tokens scored (gamma + 1 when verifying, 1 in plain autoregressive decoding) and the
-sorted drafter's per-token cost depends on the exit it stops at (S2D escalation).
+`loop_speedup` is Lemma 3.1 with n = 2 written for our engine, on round costs measured
+inside the decode loop (loop_costs.py): the target's verification cost depends on the
+tokens scored (gamma + 1, or 1 in autoregressive decoding), the sorted drafter's per-token
+cost on the exit it stops at (S2D escalation), and each generation pays a prefill.
+`loop_prediction` applies it to probe results; the benchmark and calibration both use it.
 """
 
 from __future__ import annotations
@@ -133,25 +135,6 @@ def draft_step_cost(exit_costs: Sequence[float], exit_usage: Sequence[float]) ->
     return sum(ci * ui for ci, ui in zip(c, u)) / sum(u)
 
 
-def two_level(target_cost_1: float, target_cost_verify: float, exit_costs: Sequence[float],
-              exit_usage: Sequence[float], mean_accepted: float,
-              draft_steps_per_round: float) -> dict:
-    """Lemma 3.1 with n = 2 for one target and one (sorted) drafter.
-
-    T_round = beta * sum_j u_j c_j + T_1(gamma + 1)    (beta = draft steps per round)
-    tokens per round = L_1 = MAT;  time per token = T_round / MAT
-    predicted speedup = T_1(1) * MAT / T_round   (autoregressive: T_1(1) per token)
-    """
-    T1, Tv = _positive("target costs", [target_cost_1, target_cost_verify])
-    if mean_accepted < 1:
-        raise S2DError(f"mean accepted tokens per round must be >= 1, got {mean_accepted}")
-    c = draft_step_cost(exit_costs, exit_usage)
-    round_s = draft_steps_per_round * c + Tv
-    return {"draft_step_s": c, "round_s": round_s, "tokens_per_round": mean_accepted,
-            "time_per_token_s": round_s / mean_accepted,
-            "predicted_speedup": T1 * mean_accepted / round_s}
-
-
 def round_costs_at_steps(full_round_s: Sequence[float], one_step_round_s: Sequence[float],
                          steps_per_round: float, gamma: int) -> list[float]:
     """Round cost per forced exit with a dynamic draft length: rounds timed with all gamma
@@ -182,3 +165,20 @@ def loop_speedup(ar_round_s: float, ar_prefill_s: float, round_costs: Sequence[f
     t = prompts * prefill_s + rounds * c
     return {"predicted_speedup": t_ar / t, "predicted_ar_s": t_ar, "predicted_s": t,
             "round_s": c}
+
+
+def loop_prediction(ar: dict, costs: dict, exit_usage: Sequence[float],
+                    steps_per_round: float, gamma: int, *, prompts: int, tokens: int,
+                    rounds: int) -> dict:
+    """`loop_speedup` on loop_costs.LoopProbe results: `ar` of the target's AR decoder,
+    `costs` of the method's ({"prefill_s", "round_s": [per forced exit]}, and
+    "one_step_round_s" for a dynamic draft length: its rounds run `steps_per_round` of
+    gamma draft steps). exit_usage: drafted tokens per exit (all zero: no draft step ran,
+    every round costs the same)."""
+    rounds_s = costs["round_s"]
+    if "one_step_round_s" in costs:
+        rounds_s = round_costs_at_steps(rounds_s, costs["one_step_round_s"], steps_per_round,
+                                        gamma)
+    usage = exit_usage if any(exit_usage) else [1.0] * len(rounds_s)
+    return loop_speedup(ar["round_s"][0], ar["prefill_s"], rounds_s, usage,
+                        costs["prefill_s"], prompts=prompts, tokens=tokens, rounds=rounds)

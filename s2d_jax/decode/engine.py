@@ -10,9 +10,7 @@ Public entry points (all pure; cfgs, spec and the optional mesh are static; para
 the sharding they arrive with, caches are pinned to the mesh by CACHE_AXES):
   generate(...)      -> GenState   whole generation in one jit
   prefill(...)       -> GenState   then decode_chunk(state, ...) -> GenState, donated;
-                                   used for streaming and for draft/verify timing
-  draft_phase / verify_phase       one round in two halves (timed separately on host):
-                                   everything below the target, then the target
+                                   used for streaming and for the in-loop cost probes
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.drafting import with_exit_segments
-from s2d_jax.decode.round import check_done, commit, one_round, propose, verify
+from s2d_jax.decode.round import check_done, one_round
 from s2d_jax.decode.sampling import probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
 from s2d_jax.errors import S2DError
@@ -89,23 +87,6 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
         draft_cache=None if dcache is None else dcache.with_lengths(length - 1),
         key=key, round=jnp.int32(0), stats=RoundStats.zeros(B, spec),
         mid_caches=tuple(c.with_lengths(length - 1) for c in mid_caches))
-
-
-def draft_phase(state: GenState, draft_params, dp: DecodeParams, mid_params=(), *,
-                draft_cfg, spec, mid_cfgs=()):
-    """The first half of a round (everything below the target) -> an opaque `drafted`
-    for verify_phase; the halves are timed separately (serving.measure_time_split)."""
-    return propose(state, draft_params, dp, mid_params, draft_cfg=draft_cfg, spec=spec,
-                   mid_cfgs=mid_cfgs)
-
-
-def verify_phase(state: GenState, target_params, dp: DecodeParams, drafted, *, target_cfg,
-                 spec):
-    """The second half of a round: the target verifies, then commit."""
-    ctx, block = drafted
-    ctx, verdict = verify(ctx, spec.num_levels - 1, block, ~state.done, target_params, dp,
-                          cfg=target_cfg, spec=spec)
-    return commit(state, ctx, verdict, dp, spec)
 
 
 def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams, max_rounds,

@@ -1,5 +1,5 @@
 """Host side of decoding: input checks, padding to static buckets, the multi-target Engine,
-statistics summaries and the draft/verify time split.
+and statistics summaries.
 
 `Decoder` = one target with its draft, method, gamma and thresholds. `Engine` = one draft
 shared by several named targets, each request routed to its target. Everything on the hot
@@ -20,7 +20,6 @@ from s2d_jax.decode import engine
 from s2d_jax.parallel.mesh import with_auto_axes
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
-from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
 
@@ -216,42 +215,6 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "batch_tokens_per_s": total_new / seconds if seconds > 0 else None,
             }})
     return out
-
-
-def measure_time_split(decoder: Decoder, prompts, *, max_new_tokens: int = 64, reps: int = 5,
-                       **decode_kw) -> dict:
-    """Draft vs verify time per round, by timing separately-jitted draft-only and
-    verify-only halves of one round on the post-prefill state (after a warm-up call).
-    Escalation depth here follows that state's tokens, so treat it as an estimate."""
-    if decoder.spec_base.method == "ar":
-        raise S2DError("method ar has no draft phase to time")
-    spec, arr, lens = decoder.prepare(prompts, max_new_tokens)
-    dp = decoder.decode_params(spec, **decode_kw)
-    kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
-              mid_cfgs=decoder.mid_cfgs)
-    state = engine.prefill(decoder.draft_params, decoder.target_params, arr, lens, dp,
-                           jax.random.key(0), decoder.mid_params, **kw)
-    draft = jax.jit(engine.draft_phase, static_argnames=("draft_cfg", "spec", "mid_cfgs"))
-    verify = jax.jit(engine.verify_phase, static_argnames=("target_cfg", "spec"))
-
-    def timed(fn):
-        jax.block_until_ready(fn())
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = jax.block_until_ready(fn())
-        return (time.perf_counter() - t) / reps, out
-
-    # As the decode loop does: exit segments sliced once, outside the timed calls.
-    draft_params = decoder.draft_params
-    if decoder.spec_base.method in ("sd", "s2d"):
-        draft_params = jax.jit(with_exit_segments, static_argnums=1)(draft_params, spec.exits)
-    t_draft, drafted = timed(lambda: draft(state, draft_params, dp, decoder.mid_params,
-                                           draft_cfg=decoder.draft_cfg, spec=spec,
-                                           mid_cfgs=decoder.mid_cfgs))
-    t_verify, _ = timed(lambda: verify(state, decoder.target_params, dp, drafted,
-                                       target_cfg=decoder.target_cfg, spec=spec))
-    return {"draft_s_per_round": t_draft, "verify_s_per_round": t_verify,
-            "draft_fraction": t_draft / (t_draft + t_verify)}
 
 
 @dataclasses.dataclass

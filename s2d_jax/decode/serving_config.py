@@ -1,0 +1,73 @@
+"""A target's calibrated S2D settings: DIR/s2d_serving.json (written by infer.calibrate,
+read by infer.generate and infer.bench).
+
+Schema: {"thresholds": [per exit, in [0, 1], the last usually 0], "gamma": >= 1,
+"stop_threshold": in [0, 1] (0 = always gamma draft tokens; optional), "exits": [layer
+counts] (optional: default the draft's), plus informational fields (`serving_record`):
+the draft dir, the measured and predicted speedups and what it was calibrated on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from s2d_jax.errors import S2DError
+from s2d_jax.io.atomic import write_atomic
+
+SERVING_CONFIG = "s2d_serving.json"
+
+
+def serving_config_path(target_dir: str) -> str:
+    if os.path.isfile(target_dir):  # a .gguf target: next to the file
+        return f"{target_dir}.{SERVING_CONFIG}"
+    return os.path.join(target_dir, SERVING_CONFIG)
+
+
+def load_serving_config(target_dir: str) -> dict | None:
+    """The calibrated S2D settings of a target dir, or None when it has none."""
+    path = serving_config_path(target_dir)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+        th = [float(t) for t in cfg["thresholds"]]
+        gamma = int(cfg["gamma"])
+        stop = float(cfg.get("stop_threshold", 0.0))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
+                       f"'gamma'); delete it or rerun python -m infer.calibrate")
+    if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1
+            or not 0.0 <= stop <= 1.0):
+        raise S2DError(f"{path} has thresholds or stop_threshold outside [0, 1] or gamma < 1; "
+                       f"rerun python -m infer.calibrate")
+    return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
+
+
+def write_serving_config(target_dir: str, cfg: dict) -> str:
+    """Write atomically (a temp file renamed over it): a reader never sees half a config."""
+    path = serving_config_path(target_dir)
+    write_atomic(path, json.dumps(cfg, indent=2) + "\n")
+    return path
+
+
+def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,
+                   questions: str, num_prompts: int, max_new_tokens: int) -> dict:
+    """The serving config's content. Paths (informational) are relative to the target dir,
+    where the config lives, so a moved or cloned tree keeps them right."""
+    def rel(path):
+        return os.path.relpath(os.path.abspath(path), os.path.abspath(target_dir))
+
+    return {"draft": rel(draft_dir), "exits": [int(e) for e in best["exits"]],
+            "thresholds": best["thresholds"], "gamma": best["gamma"],
+            "stop_threshold": float(best.get("stop_threshold", 0.0)),
+            "measured_speedup": best.get("measured_speedup"),
+            "predicted_speedup": best["predicted_speedup"],
+            "paper_thresholds_measured_speedup": None if paper is None
+            else paper.get("measured_speedup"),
+            "calibrated_on": {"questions": rel(questions), "prompts": num_prompts,
+                              "max_new_tokens": max_new_tokens,
+                              "utc": datetime.datetime.now(datetime.timezone.utc)
+                              .strftime("%Y-%m-%dT%H:%M:%SZ")}}
