@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 
+from infer.args import ArgumentParser
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -26,8 +27,8 @@ from s2d_jax.io.hf import export_hf, load_hf
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m infer.convert", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp, src_help, out_help):
@@ -91,6 +92,8 @@ def main(argv=None) -> int:
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
     if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):
         tokenizer_dir = args.src  # carry the source's tokenizer along
+    if args.num_layers is not None and args.num_layers < 1:
+        raise S2DError(f"--num-layers must be >= 1, got {args.num_layers}")
     if getattr(args, "max_shard_gb", 1.0) <= 0:
         raise S2DError("--max-shard-gb must be > 0")
 

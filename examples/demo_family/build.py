@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import cli_main
 
 
@@ -23,8 +24,8 @@ from s2d_jax.errors import cli_main
 def main(argv=None):
     from examples.demo_family.pipeline import STAGES, FamilyPaths, SmokeSettings, build_family
 
-    p = argparse.ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output dir of the HF model dirs (models/demo)")
     p.add_argument("--stage", choices=STAGES, default="all")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")

@@ -33,6 +33,7 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_json
 
 SERVING_CONFIG = "s2d_serving.json"
 
@@ -48,13 +49,12 @@ def load_serving_config(target_dir: str) -> dict | None:
     path = serving_config_path(target_dir)
     if not os.path.isfile(path):
         return None
+    cfg = read_json(path, "serving config")
     try:
-        with open(path) as f:
-            cfg = json.load(f)
         th = [float(t) for t in cfg["thresholds"]]
         gamma = int(cfg["gamma"])
         stop = float(cfg.get("stop_threshold", 0.0))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
                        f"'gamma'); delete it or rerun python -m infer.calibrate")
     if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1

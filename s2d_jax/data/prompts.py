@@ -6,6 +6,7 @@ import json
 import os
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_text
 
 
 def read_questions(path: str, categories=None, max_prompts: int | None = None) -> list[dict]:
@@ -15,20 +16,19 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
     if not os.path.isfile(path):
         raise S2DError(f"questions file {path} does not exist")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["turns"][0]
-                if not isinstance(text, str) or not text:
-                    raise TypeError
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list "
-                               f"(Spec-Bench / MT-bench format)")
-            out.append({"question_id": row.get("question_id", n), "category":
-                        row.get("category"), "target": row.get("target"), "text": text})
+    for n, line in enumerate(read_text(path, "questions file").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["turns"][0]
+            if not isinstance(text, str) or not text:
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list "
+                           f"(Spec-Bench / MT-bench format)")
+        out.append({"question_id": row.get("question_id", n), "category":
+                    row.get("category"), "target": row.get("target"), "text": text})
     if categories:
         known = sorted({str(q["category"]) for q in out})
         missing = [c for c in categories if c not in known]

@@ -15,17 +15,26 @@ import tempfile
 from s2d_jax.errors import S2DError
 
 
-def _make_readable(root: str) -> None:
-    """mkdtemp / mkstemp create 0700 / 0600 entries; give outputs the usual 0755 / 0644."""
-    if os.path.isfile(root):
-        os.chmod(root, 0o644)
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; restore at once
+    os.umask(mask)
+    return mask
+
+
+def chmod_like_open(root: str) -> None:
+    """mkdtemp / mkstemp create private 0700 / 0600 entries; give `root` (and everything
+    under a dir) the modes open() / mkdir() would: 0o666 / 0o777 minus the umask."""
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    if not os.path.isdir(root):
+        os.chmod(root, file_mode)
         return
-    os.chmod(root, 0o755)
+    os.chmod(root, dir_mode)
     for d, dirs, files in os.walk(root):
         for name in dirs:
-            os.chmod(os.path.join(d, name), 0o755)
+            os.chmod(os.path.join(d, name), dir_mode)
         for name in files:
-            os.chmod(os.path.join(d, name), 0o644)
+            os.chmod(os.path.join(d, name), file_mode)
 
 
 def write_atomic(path: str, data: str | bytes) -> None:
@@ -36,7 +45,7 @@ def write_atomic(path: str, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-        _make_readable(tmp)
+        chmod_like_open(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -62,7 +71,7 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _make_readable(tmp)
+    chmod_like_open(tmp)
     if os.path.lexists(out):
         old = tmp + ".old"
         os.rename(out, old)
