@@ -62,7 +62,7 @@ def _model_cfg(path: str, dtype: str | None):
 def main(argv=None):
     args = _parse(argv)
     check_at_least(args, {"gamma": 1, "context": 4, "prompt_len": 1, "draft_layers": 1})
-    check_gamma(args.gamma, args.context, "--context")
+    check_gamma(args.gamma, args.context, "the cache", source="--context")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch, "--batch", minimum=1)

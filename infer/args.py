@@ -48,13 +48,28 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise S2DError(f"--top-k must be >= 0 (0 = off), got {top_k}")
 
 
-def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma") -> None:
+def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
+                source: str = "max_position_embeddings") -> None:
     """A round drafts `gamma` tokens after a prompt of >= 1 token and needs one bonus slot
-    and one verify slot: gamma + 3 positions must fit the model's context."""
+    and one verify slot: gamma + 3 positions must fit the context (`source` says where its
+    length comes from)."""
     if gamma > context - 3:
-        raise S2DError(f"{flag} {gamma} does not fit the context of {model} "
-                       f"({context} positions, max_position_embeddings); use {flag} <= "
-                       f"{context - 3}")
+        raise S2DError(f"{flag} {gamma} does not fit the context of {model} ({context} "
+                       f"positions, {source}); use {flag} <= {context - 3}")
+
+
+def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:
+    """Fail before any work when `path` cannot be written: its nearest existing ancestor
+    must be a writable directory (a regular file there stops root too), and a file output
+    must not be an existing directory."""
+    if not is_dir and os.path.isdir(path):
+        raise S2DError(f"{flag} {path} is a directory; pass a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise S2DError(f"{flag} {path} cannot be created: {parent} is not a writable "
+                       f"directory; choose another path")
 
 
 def parse_floats(text: str, flag: str = "value", nonempty: bool = False) -> list[float]:

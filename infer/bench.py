@@ -70,12 +70,15 @@ def parse_args(argv):
 
 
 def _check_args(args):
-    from infer.args import check_at_least, parse_floats as _floats, parse_targets
+    from infer.args import check_at_least, check_output_path, parse_targets
+    from infer.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
+    check_output_path(args.out, is_dir=True)
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file
-            raise S2DError(f"model dir {path} ({name}) does not exist")
+            raise S2DError(f"model dir {path} ({name}) does not exist; pass an HF model dir "
+                           f"or a .gguf file")
     temps = _floats(args.temperatures)
     if not temps or any(t < 0 for t in temps):
         raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")

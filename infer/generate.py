@@ -17,8 +17,8 @@ import json
 import os
 import sys
 
-from infer.args import (ArgumentParser, check_at_least, check_gamma, check_sampling,
-                        parse_floats, parse_ints, parse_targets)
+from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
+                        check_sampling, parse_floats, parse_ints, parse_targets)
 from s2d_jax.decode.state import METHODS
 from s2d_jax.errors import S2DError, cli_main
 
@@ -208,6 +208,8 @@ def main(argv=None):
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
+    if args.out:
+        check_output_path(args.out)
     targets = parse_targets(args.target)
     route = args.route or next(iter(targets))
     reqs = read_requests(args)

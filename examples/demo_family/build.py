@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, check_output_path
 from s2d_jax.errors import cli_main
 
 
@@ -43,6 +43,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import os
+    check_output_path(args.out, is_dir=True)
     run_dir = args.run_dir or (os.path.join(args.out, "run") if args.smoke
                                else os.path.join("runs", "demo_family"))
     questions = args.questions or (os.path.join(run_dir, "demo_questions.jsonl") if args.smoke

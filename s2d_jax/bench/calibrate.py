@@ -33,7 +33,7 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
-from s2d_jax.readers import read_json
+from s2d_jax.readers import read_text
 
 SERVING_CONFIG = "s2d_serving.json"
 
@@ -49,8 +49,9 @@ def load_serving_config(target_dir: str) -> dict | None:
     path = serving_config_path(target_dir)
     if not os.path.isfile(path):
         return None
-    cfg = read_json(path, "serving config")
+    text = read_text(path, "serving config")
     try:
+        cfg = json.loads(text)  # a JSONDecodeError is a ValueError
         th = [float(t) for t in cfg["thresholds"]]
         gamma = int(cfg["gamma"])
         stop = float(cfg.get("stop_threshold", 0.0))

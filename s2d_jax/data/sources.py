@@ -48,7 +48,8 @@ def load_records(path: str) -> list[dict]:
     except Exception as e:  # datasets wraps parse errors in several exception types
         cause = e.__cause__ or e
         raise S2DError(f"cannot read {path} as {builder}: {type(cause).__name__}: "
-                       f"{str(cause).splitlines()[0] if str(cause) else ''}") from e
+                       f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file "
+                       f"(UTF-8 JSON / JSON lines, or parquet)") from e
     return ds.to_list()
 
 
@@ -63,11 +64,11 @@ def _single_json_object(path: str) -> dict | None:
         return None
     text = read_text(path, "data file")
     try:
-        json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several objects: JSON lines in a .json file
             return None
-    return parse_json(text, path, "data file")
+    return parse_json(text, path, "data file")  # raises the one-line error
 
 
 def load_text_documents(path: str) -> list[str]:

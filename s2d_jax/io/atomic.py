@@ -37,19 +37,30 @@ def chmod_like_open(root: str) -> None:
             os.chmod(os.path.join(d, name), file_mode)
 
 
+def _cannot_write(path: str, e: OSError) -> S2DError:
+    return S2DError(f"cannot write {path}: {e.strerror or e}; choose a writable path with "
+                    f"free space")
+
+
 def write_atomic(path: str, data: str | bytes) -> None:
     """Write `data` to a temp file next to `path`, then rename it over `path`."""
     out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+    except OSError as e:
+        raise _cannot_write(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
         chmod_like_open(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _cannot_write(path, e) from None
         raise
 
 
@@ -64,8 +75,11 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False):
     if os.path.lexists(out) and not overwrite:
         raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise _cannot_write(out_dir, e) from None
     try:
         yield tmp
     except BaseException:

@@ -105,12 +105,14 @@ def load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(sp_file) and not has_json:
         raise S2DError(f"tokenizer directory {path!r} has neither tokenizer.model nor "
                        "tokenizer.json; point data.tokenizer at a tokenizer directory")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.isfile(os.path.join(path, name)):  # say which file is broken, and how
-            try:
-                read_json(os.path.join(path, name), name)
-            except S2DError as e:
-                raise S2DError(f"cannot load the tokenizer in {path!r}: {e}") from None
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "config.json"):  # transformers reads them all: say which one is broken
+        file = os.path.join(path, name)
+        try:
+            if os.path.isfile(file) and not isinstance(read_json(file, name), dict):
+                raise S2DError(f"{name} {file} is not a JSON object; fix or re-export it")
+        except S2DError as e:
+            raise S2DError(f"cannot load the tokenizer in {path!r}: {e}") from None
     from transformers import AutoTokenizer
     try:
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
