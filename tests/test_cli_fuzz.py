@@ -221,6 +221,9 @@ CASES = [
       ["gguf-to-hf", "--src", "{ws}/not.gguf", "--out", "{ws}/o"], "gguf", "pass"),
     C("conv-gguf-truncated", "infer.convert",
       ["gguf-to-hf", "--src", "{ws}/trunc.gguf", "--out", "{ws}/o"], "truncated or damaged", "download it again"),
+    C("conv-gguf-to-orbax-src-missing", "infer.convert",
+      ["gguf-to-orbax", "--src", "{ws}/nope.gguf", "--out", "{ws}/o"], "is not a file",
+      "pass a .gguf"),
     C("conv-gguf-src-is-dir", "infer.convert",
       ["gguf-to-hf", "--src", "{ws}/run", "--out", "{ws}/o"], "is not a file", "pass a .gguf"),
     # --- infer.bench --------------------------------------------------------------------
