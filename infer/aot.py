@@ -17,13 +17,14 @@ import argparse
 import dataclasses
 import os
 
-from infer.args import add_fake_devices_flag, fake_cpu_devices, parse_ints
+from infer.args import (ArgumentParser, add_fake_devices_flag, check_at_least, check_gamma,
+                        fake_cpu_devices, parse_ints)
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m infer.aot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m infer.aot", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model YAML / HF dir / config.json")
     p.add_argument("--draft", default=None, help="draft model (its first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
@@ -60,6 +61,8 @@ def _model_cfg(path: str, dtype: str | None):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
+    check_at_least(args, {"gamma": 1, "context": 4, "prompt_len": 1, "draft_layers": 1})
+    check_gamma(args.gamma, args.context, "the cache", source="--context")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch, "--batch", minimum=1)

@@ -1,16 +1,75 @@
-"""Argument parsing shared by the entry points (`infer/`, `train/`): list flags, the
-`[NAME=]PATH` target syntax and the `--fake-devices` flag.
+"""Argument parsing shared by the entry points (`infer/`, `train/`): the parser class,
+list flags, range checks of numeric flags, the `[NAME=]PATH` target syntax and the
+`--fake-devices` flag.
 
-Every parser raises a one-line S2DError naming the flag and the fix, which `cli_main`
-prints as `error: ...` (argparse's own `type=` errors would print a usage block instead).
+Every check raises a one-line S2DError naming the flag and the fix, which `cli_main`
+prints as `error: ...` (argparse's own errors would print a usage block instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 
 from s2d_jax.errors import S2DError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse.ArgumentParser whose errors are one-line S2DErrors (cli_main prints them)
+    and which reads negative number lists such as `--costs -1,2` as values, not options."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse's own pattern (-1, -.5) misses lists and exponents; no flag starts with
+        # a digit, so anything like -1,2 or -1e-3 is a value
+        self._negative_number_matcher = re.compile(r"^-[\d.][\d.,eE+-]*$")
+
+    def error(self, message):
+        raise S2DError(f"{message}; see {self.prog} --help")
+
+
+def check_at_least(args, minimums: dict[str, float]) -> None:
+    """Refuse `args.<dest>` below its minimum (None = unset, allowed); NaN is refused too."""
+    for dest, lo in minimums.items():
+        v = getattr(args, dest)
+        if v is not None and not v >= lo:
+            raise S2DError(f"--{dest.replace('_', '-')} must be >= {lo:g}, got {v}")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    if not temperature >= 0 or math.isinf(temperature):
+        raise S2DError(f"--temperature must be a finite number >= 0 (0 = greedy), got "
+                       f"{temperature}")
+    if not 0 < top_p <= 1:
+        raise S2DError(f"--top-p must lie in (0, 1] (1 = off), got {top_p}")
+    if top_k < 0:
+        raise S2DError(f"--top-k must be >= 0 (0 = off), got {top_k}")
+
+
+def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
+                source: str = "max_position_embeddings") -> None:
+    """A round drafts `gamma` tokens after a prompt of >= 1 token and needs one bonus slot
+    and one verify slot: gamma + 3 positions must fit the context (`source` says where its
+    length comes from)."""
+    if gamma > context - 3:
+        raise S2DError(f"{flag} {gamma} does not fit the context of {model} ({context} "
+                       f"positions, {source}); use {flag} <= {context - 3}")
+
+
+def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:
+    """Fail before any work when `path` cannot be written: its nearest existing ancestor
+    must be a writable directory (a regular file there stops root too), and a file output
+    must not be an existing directory."""
+    if not is_dir and os.path.isdir(path):
+        raise S2DError(f"{flag} {path} is a directory; pass a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise S2DError(f"{flag} {path} cannot be created: {parent} is not a writable "
+                       f"directory; choose another path")
 
 
 def parse_floats(text: str, flag: str = "value", nonempty: bool = False) -> list[float]:
@@ -59,6 +118,8 @@ def add_fake_devices_flag(parser: argparse.ArgumentParser) -> None:
 def fake_cpu_devices(n: int) -> None:
     """Make the CPU backend show `n` devices. XLA reads the flag when the backend starts
     (the first device query), so call this before anything touches jax.devices()."""
+    if n < 0:
+        raise S2DError(f"--fake-devices must be >= 0 (0 = the real devices), got {n}")
     if n:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n}")

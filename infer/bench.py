@@ -36,12 +36,13 @@ import json
 import os
 import sys
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", nargs="+", required=True, metavar="NAME=DIR")
     ap.add_argument("--draft", default=None, help="sorted draft dir (exits from its config)")
     ap.add_argument("--questions", default="data/demo_questions.jsonl")
@@ -70,11 +71,15 @@ def parse_args(argv):
 
 
 def _check_args(args):
-    from infer.args import parse_floats as _floats, parse_targets
+    from infer.args import check_at_least, check_output_path, parse_targets
+    from infer.args import parse_floats as _floats
+    check_at_least(args, {"max_prompts": 1, "self_exit": 1})
+    check_output_path(args.out, is_dir=True)
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file
-            raise S2DError(f"model dir {path} ({name}) does not exist")
+            raise S2DError(f"model dir {path} ({name}) does not exist; pass an HF model dir "
+                           f"or a .gguf file")
     temps = _floats(args.temperatures)
     if not temps or any(t < 0 for t in temps):
         raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")
@@ -145,6 +150,10 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
         raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                        f"{cfg.vocab_size}; use the target's own tokenizer")
     draft_cfg, draft_params, exits = draft or (None, None, ())
+    from infer.args import check_gamma
+    for what, c in ((f"target {name!r}", cfg), ("the draft", draft_cfg)):
+        if c is not None:
+            check_gamma(args.gamma, c.max_position_embeddings, what)
     self_exit = args.self_exit or (min(max(exits), cfg.num_layers - 1) if exits
                                    else cfg.num_layers // 4)
     if self_exit < 1 or self_exit >= cfg.num_layers:

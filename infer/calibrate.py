@@ -23,14 +23,15 @@ import argparse
 import os
 import sys
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
 
 COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m infer.calibrate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.calibrate", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, metavar="[NAME=]DIR")
     ap.add_argument("--draft", required=True)
     ap.add_argument("--questions", default="data/demo_calibration.jsonl",

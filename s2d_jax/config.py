@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_json, read_yaml
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -179,11 +180,9 @@ def read_hf_config(path: str) -> ModelConfig:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise S2DError(f"no config.json at {path}; pass an HF model directory")
-    try:
-        with open(path) as f:
-            hf = json.load(f)
-    except json.JSONDecodeError as e:
-        raise S2DError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix or re-export it")
+    hf = read_json(path, "HF config")
+    if not isinstance(hf, dict):
+        raise S2DError(f"HF config {path} is not a JSON object; fix or re-export it")
     return ModelConfig.from_hf_config(hf)
 
 
@@ -268,11 +267,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise S2DError(f"config file {path} not found; pass a YAML file from configs/")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise S2DError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise S2DError(f"config file {path} is not a YAML mapping (key: value lines); fix it")
     # `base: other.yaml` includes another file (relative to this one) and overlays this one.
     base = data.pop("base", None)
     if base:

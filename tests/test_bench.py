@@ -144,7 +144,8 @@ def test_bench_subprocess_error_exit_code(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"error: model dir {tmp_path / 'missing'} (x) does not exist"]
+        f"error: model dir {tmp_path / 'missing'} (x) does not exist; pass an HF model dir "
+        f"or a .gguf file"]
 
 
 def test_calibrated_vs_sd_check_identity_and_strict_cases():

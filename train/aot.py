@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 
-from infer.args import add_fake_devices_flag, fake_cpu_devices
+from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices
 from s2d_jax.errors import S2DError, cli_main
 
 GIB = 2**30
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m train.aot", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m train.aot", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
     p.add_argument("--target", default=None,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")

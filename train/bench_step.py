@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from infer.args import parse_ints
+from infer.args import ArgumentParser, check_at_least, parse_ints
 from s2d_jax.errors import cli_main
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m train.bench_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m train.bench_step", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model YAML (default: 12-layer CPU proxy)")
     p.add_argument("--exits", default="6,9,12", help="comma-separated exits, e.g. 6,9,12")
     p.add_argument("--batch", type=int, default=4)
@@ -33,6 +33,7 @@ def _parse(argv):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
+    check_at_least(args, {"batch": 1, "seq": 2, "warmup": 0, "steps": 1})
     import jax
     import numpy as np
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 
+from infer.args import ArgumentParser
 from s2d_jax.errors import cli_main
 
 
 @cli_main
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train.soft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m train.soft", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from infer.args import ArgumentParser, check_output_path
 from s2d_jax.errors import cli_main
 
 
@@ -23,8 +24,8 @@ from s2d_jax.errors import cli_main
 def main(argv=None):
     from examples.demo_family.pipeline import STAGES, FamilyPaths, SmokeSettings, build_family
 
-    p = argparse.ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output dir of the HF model dirs (models/demo)")
     p.add_argument("--stage", choices=STAGES, default="all")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
@@ -42,6 +43,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import os
+    check_output_path(args.out, is_dir=True)
     run_dir = args.run_dir or (os.path.join(args.out, "run") if args.smoke
                                else os.path.join("runs", "demo_family"))
     questions = args.questions or (os.path.join(run_dir, "demo_questions.jsonl") if args.smoke

@@ -32,6 +32,7 @@ import time
 from examples.demo_family.questions import make_question_sets
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import write_atomic
+from s2d_jax.readers import read_text
 
 STAGES = ("tokenizer", "targets", "mixture", "draft", "eval", "all")
 TARGETS = ("s", "m", "l")
@@ -158,8 +159,8 @@ def read_paragraphs(corpus: str, limit: int | None = None) -> list[str]:
     """Blank-line separated paragraphs (speeches) of the corpus, in order."""
     if not os.path.isfile(corpus):
         raise S2DError(f"corpus {corpus} not found; pass --corpus with a .txt file")
-    with open(corpus, encoding="utf-8") as f:
-        paras = [p.strip("\n") for p in _PARAGRAPH_SPLIT.split(f.read()) if p.strip()]
+    text = read_text(corpus, "corpus")
+    paras = [p.strip("\n") for p in _PARAGRAPH_SPLIT.split(text) if p.strip()]
     paras = paras[:limit] if limit else paras
     if len(paras) < 20:
         raise S2DError(f"corpus {corpus} has only {len(paras)} paragraphs; need at least 20")

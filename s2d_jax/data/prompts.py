@@ -6,6 +6,7 @@ import json
 import os
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_text
 
 
 def read_questions(path: str, categories=None, max_prompts: int | None = None) -> list[dict]:
@@ -13,22 +14,24 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
     max_prompts, the first N taken round-robin over the categories. `target` is an optional
     per-line field naming the target a multi-target engine routes the prompt to."""
     if not os.path.isfile(path):
-        raise S2DError(f"questions file {path} does not exist")
+        raise S2DError(f"questions file {path} does not exist; check the path")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["turns"][0]
-                if not isinstance(text, str) or not text:
-                    raise TypeError
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError):
-                raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list "
-                               f"(Spec-Bench / MT-bench format)")
-            out.append({"question_id": row.get("question_id", n), "category":
-                        row.get("category"), "target": row.get("target"), "text": text})
+    for n, line in enumerate(read_text(path, "questions file").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row["turns"], list):  # a bare string would give its 1st char
+                raise TypeError
+            text = row["turns"][0]
+            if not isinstance(text, str) or not text:
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list; "
+                           f"write one {{\"turns\": [\"...\"]}} object per line (Spec-Bench / "
+                           f"MT-bench format)")
+        out.append({"question_id": row.get("question_id", n), "category":
+                    row.get("category"), "target": row.get("target"), "text": text})
     if categories:
         known = sorted({str(q["category"]) for q in out})
         missing = [c for c in categories if c not in known]
@@ -47,7 +50,8 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
                   for g in groups.values() if i < len(g) for q in [g[i]]]
         out = rounds[:max_prompts]
     if not out:
-        raise S2DError(f"questions file {path} holds no prompts")
+        raise S2DError(f"questions file {path} holds no prompts; write one JSON line with a "
+                       f"'turns' list per prompt")
     return out
 
 

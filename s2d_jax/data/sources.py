@@ -7,6 +7,7 @@ import os
 import re
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import parse_json, read_text
 
 RECORD_EXTS = (".json", ".jsonl", ".parquet")
 TEXT_EXTS = (".txt",)
@@ -47,7 +48,8 @@ def load_records(path: str) -> list[dict]:
     except Exception as e:  # datasets wraps parse errors in several exception types
         cause = e.__cause__ or e
         raise S2DError(f"cannot read {path} as {builder}: {type(cause).__name__}: "
-                       f"{str(cause).splitlines()[0] if str(cause) else ''}") from e
+                       f"{str(cause).splitlines()[0] if str(cause) else ''}; fix the file "
+                       f"(UTF-8 JSON / JSON lines, or parquet)") from e
     return ds.to_list()
 
 
@@ -60,26 +62,19 @@ def _single_json_object(path: str) -> dict | None:
         head = f.read(4096).lstrip()
     if not head.startswith(b"{"):
         return None
+    text = read_text(path, "data file")
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several objects: JSON lines in a .json file
             return None
-        raise S2DError(f"cannot read {path}: invalid JSON ({e})") from e
-    except UnicodeDecodeError as e:
-        raise S2DError(f"cannot read {path}: not UTF-8 text ({e})") from e
-    return obj
+    return parse_json(text, path, "data file")  # raises the one-line error
 
 
 def load_text_documents(path: str) -> list[str]:
     """Non-empty documents of a plain-text corpus."""
     _check_file(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise S2DError(f"cannot read {path}: not UTF-8 text ({e})") from e
+    text = read_text(path, "data file")
     return [d.strip("\n") for d in _DOC_SPLIT.split(text) if d.strip()]
 
 

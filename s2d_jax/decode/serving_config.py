@@ -15,6 +15,7 @@ import os
 
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import write_atomic
+from s2d_jax.readers import read_text
 
 SERVING_CONFIG = "s2d_serving.json"
 
@@ -30,13 +31,13 @@ def load_serving_config(target_dir: str) -> dict | None:
     path = serving_config_path(target_dir)
     if not os.path.isfile(path):
         return None
+    text = read_text(path, "serving config")
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = json.loads(text)  # a JSONDecodeError is a ValueError
         th = [float(t) for t in cfg["thresholds"]]
         gamma = int(cfg["gamma"])
         stop = float(cfg.get("stop_threshold", 0.0))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
                        f"'gamma'); delete it or rerun python -m infer.calibrate")
     if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1

@@ -116,6 +116,8 @@ class DecodeParams:
             raise S2DError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if not 0.0 < top_p <= 1.0:
             raise S2DError(f"top-p must lie in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise S2DError(f"top-k must be >= 0 (0 = off), got {top_k}")
         if max_new_tokens < 1:
             raise S2DError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         return cls(SamplingParams.make(temperature, top_k, top_p),

@@ -15,32 +15,52 @@ import tempfile
 from s2d_jax.errors import S2DError
 
 
-def _make_readable(root: str) -> None:
-    """mkdtemp / mkstemp create 0700 / 0600 entries; give outputs the usual 0755 / 0644."""
-    if os.path.isfile(root):
-        os.chmod(root, 0o644)
+def current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it; restore at once
+    os.umask(mask)
+    return mask
+
+
+def chmod_like_open(root: str) -> None:
+    """mkdtemp / mkstemp create private 0700 / 0600 entries; give `root` (and everything
+    under a dir) the modes open() / mkdir() would: 0o666 / 0o777 minus the umask."""
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    if not os.path.isdir(root):
+        os.chmod(root, file_mode)
         return
-    os.chmod(root, 0o755)
+    os.chmod(root, dir_mode)
     for d, dirs, files in os.walk(root):
         for name in dirs:
-            os.chmod(os.path.join(d, name), 0o755)
+            os.chmod(os.path.join(d, name), dir_mode)
         for name in files:
-            os.chmod(os.path.join(d, name), 0o644)
+            os.chmod(os.path.join(d, name), file_mode)
+
+
+def _cannot_write(path: str, e: OSError) -> S2DError:
+    return S2DError(f"cannot write {path}: {e.strerror or e}; choose a writable path with "
+                    f"free space")
 
 
 def write_atomic(path: str, data: str | bytes) -> None:
     """Write `data` to a temp file next to `path`, then rename it over `path`."""
     out_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{os.path.basename(path)}.",
+                                   suffix=".tmp")
+    except OSError as e:
+        raise _cannot_write(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
-        _make_readable(tmp)
+        chmod_like_open(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _cannot_write(path, e) from None
         raise
 
 
@@ -55,14 +75,17 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False):
     if os.path.lexists(out) and not overwrite:
         raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    except OSError as e:
+        raise _cannot_write(out_dir, e) from None
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _make_readable(tmp)
+    chmod_like_open(tmp)
     if os.path.lexists(out):
         old = tmp + ".old"
         os.rename(out, old)

@@ -23,6 +23,7 @@ from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.model.params import param_shapes
+from s2d_jax.readers import read_json
 
 SIDECAR = "s2d_config.json"
 PARAMS_ITEM = "params"
@@ -106,13 +107,9 @@ def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None
 
 def read_params_config(ckpt_dir: str) -> tuple[ModelConfig, dict]:
     path = os.path.join(ckpt_dir, SIDECAR)
-    try:
-        with open(path) as f:
-            sidecar = json.load(f)
-    except FileNotFoundError:
+    if not os.path.isfile(path):
         raise S2DError(f"{ckpt_dir} has no {SIDECAR}; pass a dir written by save_params")
-    except json.JSONDecodeError as e:
-        raise S2DError(f"{path} is not valid JSON ({e.msg}); re-create the checkpoint")
+    sidecar = read_json(path, "checkpoint sidecar")
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT \
             or not isinstance(sidecar.get("model"), dict):
         raise S2DError(f"{path} is not an s2d-jax params sidecar; re-create the checkpoint")

@@ -27,6 +27,7 @@ from s2d_jax.config import ModelConfig, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf_files import WeightSource, write_safetensors
 from s2d_jax.model.params import PARAMS, Param, active_params, shape_of
+from s2d_jax.readers import read_json
 
 
 # The whole correspondence: one row per parameter of `model/params.py`'s table, each with
@@ -58,8 +59,7 @@ def read_hf_model_config(model_dir: str) -> tuple[ModelConfig, dict]:
     if not os.path.isdir(model_dir):
         raise S2DError(f"model directory {model_dir} does not exist; pass an HF model directory")
     cfg = read_hf_config(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        raw = json.load(f)
+    raw = read_json(os.path.join(model_dir, "config.json"), "HF config")
     if raw.get("hidden_act", "silu") != "silu":
         raise S2DError(f"{model_dir}: hidden_act={raw['hidden_act']!r} is not supported; "
                        f"only Llama-family models with silu MLPs")

@@ -15,6 +15,7 @@ import numpy as np
 from safetensors import TensorSpec, serialize_file
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_json
 
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
               "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16,
@@ -120,9 +121,9 @@ class WeightSource:
     @staticmethod
     def _read_index(path: str, model_dir: str) -> dict[str, str]:
         try:
-            with open(path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            weight_map = read_json(path, "weight index")["weight_map"]
+            weight_map.items()
+        except (KeyError, TypeError, AttributeError):
             raise S2DError(f"{path} is not a valid weight index (no weight_map); re-download it")
         files = {n: os.path.join(model_dir, f) for n, f in weight_map.items()}
         for shard in sorted(set(files.values())):

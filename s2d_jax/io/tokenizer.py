@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_json
 
 SPACE = "\u2581"  # sentencepiece's whitespace symbol "▁"
 # One sentencepiece word: a run of "▁" with the non-space characters that follow it, or a
@@ -104,6 +105,14 @@ def load_tokenizer(path: str) -> Tokenizer:
     if not os.path.isfile(sp_file) and not has_json:
         raise S2DError(f"tokenizer directory {path!r} has neither tokenizer.model nor "
                        "tokenizer.json; point data.tokenizer at a tokenizer directory")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "config.json"):  # transformers reads them all: say which one is broken
+        file = os.path.join(path, name)
+        try:
+            if os.path.isfile(file) and not isinstance(read_json(file, name), dict):
+                raise S2DError(f"{name} {file} is not a JSON object; fix or re-export it")
+        except S2DError as e:
+            raise S2DError(f"cannot load the tokenizer in {path!r}: {e}") from None
     from transformers import AutoTokenizer
     try:
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
@@ -134,7 +143,8 @@ def _llama_sentencepiece(sp_file: str):
         with open(sp_file, "rb") as f:
             proto.ParseFromString(f.read())
     except Exception as e:
-        raise S2DError(f"cannot read sentencepiece model {sp_file}: {e}") from e
+        raise S2DError(f"cannot read sentencepiece model {sp_file} ({e}); re-download "
+                       f"it") from e
     t, n = proto.trainer_spec, proto.normalizer_spec
     llama_style = (t.model_type == pb.TrainerSpec.BPE and n.name == "identity"
                    and n.add_dummy_prefix and not n.remove_extra_whitespaces
