@@ -78,8 +78,8 @@ class GenerateSetup:
             raise S2DError(f"context {context} exceeds the target's max_position_embeddings "
                            f"{target_cfg.max_position_embeddings}; use a smaller --context")
         prompt_len = context // 4 if prompt_len is None else prompt_len
-        if not 1 <= prompt_len <= context - gamma - 2:
-            raise S2DError(f"prompt length {prompt_len} must lie in 1..{context - gamma - 2} "
+        if not 1 <= prompt_len < context:  # room for one new token (round.py shrinks rounds)
+            raise S2DError(f"prompt length {prompt_len} must lie in 1..{context - 1} "
                            f"for context {context}")
         spec = SpecConfig(method=method, exits=tuple(exits), gamma=gamma, max_len=context)
         if draft_cfg is not None and spec.exits:

@@ -26,8 +26,9 @@ def prompt_width(longest: int, context: int | None = None) -> int:
 def buffer_len(prompt_width: int, max_new_tokens: int, round_span: int,
                context: int | None = None) -> int:
     """Token / cache slots per row: the padded prompt, the new tokens and one round's span
-    (a row stops once another round might not fit), rounded up to BUFFER_BUCKET and capped
-    at `context` (the smallest max_position_embeddings of the models involved)."""
+    (so the rounds up to max_new_tokens keep whole blocks; only a full buffer shrinks them,
+    round.py), rounded up to BUFFER_BUCKET and capped at `context` (the smallest
+    max_position_embeddings of the models involved)."""
     slots = round_up(prompt_width + max_new_tokens + round_span, BUFFER_BUCKET)
     return slots if context is None else min(slots, context)
 

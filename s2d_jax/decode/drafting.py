@@ -122,9 +122,10 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
 
 def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarray,
                 start: jnp.ndarray, key: jax.Array, rows: jnp.ndarray, dp: DecodeParams,
-                spec: SpecConfig):
+                spec: SpecConfig, limit: jnp.ndarray | None = None):
     """Propose up to gamma tokens after the sequences work[b, :start[b]], one draft_token
     step each, for the rows that need them (`rows` [B]; other rows compute and are ignored).
+    `limit` [B]: a row needs at most this many (the room left in the buffer, round.py).
 
     Returns (tokens [B, G], q [B, G, V] their distributions, count [B] proposed,
     exit index [B, G], cache).
@@ -145,6 +146,8 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
 
     def body(carry, g):
         cache, prev, active = carry
+        if limit is not None:
+            active = active & (g < limit)
 
         def run(cache):
             pos = jnp.minimum(start - 1 + g, S - 1)[:, None]

@@ -46,9 +46,18 @@ already-valid position again recomputes the same keys/values.
 
 Shapes are static: M_0 = gamma, M_k = mu_k + M_{k-1} (acc < mu_k before a block of at most
 M_{k-1} + 1 tokens); the target scores M_{n-2} + 1 positions and a round adds at most
-M_{n-2} + 1 tokens (spec.round_span). Keys: the round's key is the generation key folded
-with the round index; each call of each level folds (level, call index) into it, so draws
-never repeat and chunked decoding equals the single jit.
+M_{n-2} + 1 tokens (spec.round_span). Near the end of the buffer a round shrinks: every
+block is cut to the room left before the buffer's last slot (`room`: the draft skips the
+steps no row has room for, an intermediate level stops accumulating there), so the
+round's tokens still fit and every method stops where autoregressive decoding does: at
+max_new_tokens, an EOS or a full buffer. Cutting needs no other shape and costs a few
+integer ops per round; the verifiers still score their whole static block (positions
+past the buffer are clamped to its last slot, whose keys/values no kept token depends
+on).
+
+Keys: the round's key is the generation key folded with the round index; each call of
+each level folds (level, call index) into it, so draws never repeat and chunked decoding
+equals the single jit.
 """
 
 from __future__ import annotations
@@ -94,10 +103,18 @@ class Verdict:
 
 
 def check_done(length, prompt_len, done, dp: DecodeParams, spec: SpecConfig):
-    """A row stops at max_new_tokens or when the next round could overflow the cache."""
+    """A row stops at max_new_tokens or a full buffer, where autoregressive decoding stops."""
     out_of_budget = length - prompt_len >= dp.max_new_tokens
-    cache_full = length + spec.round_span > spec.max_len
-    return done | out_of_budget | cache_full
+    buffer_full = length >= spec.max_len
+    return done | out_of_budget | buffer_full
+
+
+def room(end, spec: SpecConfig):
+    """Most tokens a block starting at `end` may propose: its verifier's next token must
+    still fit the buffer (slot <= max_len - 1). Near the end of the buffer this shrinks a
+    round's block (down to 0: a plain target step); it depends only on where the block
+    starts, never on the tokens drawn, so the verification stays lossless."""
+    return jnp.maximum(spec.max_len - 1 - end, 0)
 
 
 def _rows(x):
@@ -109,8 +126,11 @@ def _draft(ctx: RoundCtx, rows, draft_params, dp, *, draft_cfg, spec):
     key = jax.random.fold_in(ctx.key, 0)
     if spec.num_levels > 2:
         key = jax.random.fold_in(key, ctx.calls[0])
+    limit = room(ctx.end, spec)
     tokens, q, count, exit_idx, cache = draft_block(draft_params, draft_cfg, ctx.caches[0],
-                                                    ctx.work, ctx.end, key, rows, dp, spec)
+                                                    ctx.work, ctx.end, key, rows, dp, spec,
+                                                    limit)
+    count = jnp.minimum(count, limit)  # the first token is drafted even without room
     slots = ctx.end[:, None] + jnp.arange(spec.gamma)
     work = ctx.work.at[_rows(tokens), slots].set(tokens, mode="drop")
     ctx = ctx.replace(work=work, caches=(cache,) + tuple(ctx.caches[1:]),
@@ -123,10 +143,11 @@ def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, cfgs: tuple, dp, s
     An intermediate level verifies the blocks of the level below until it holds mu."""
     if level == 0:
         return _draft(ctx, rows, params[0], dp, draft_cfg=cfgs[0], spec=spec)
-    mu = spec.mus[level - 1]
     M_out = spec.block_len(level)
     B, S = ctx.work.shape
     start = ctx.end
+    limit = room(start, spec)
+    mu = jnp.minimum(spec.mus[level - 1], limit)
 
     def cond(carry):
         _, acc, _ = carry
@@ -150,7 +171,7 @@ def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, cfgs: tuple, dp, s
     V = cfgs[level].vocab_size
     init = (ctx, jnp.zeros((B,), jnp.int32), jnp.zeros((B, M_out, V), jnp.float32))
     ctx, acc, qbuf = jax.lax.while_loop(cond, body, init)
-    return ctx.replace(end=start), Block(qbuf, acc)
+    return ctx.replace(end=start), Block(qbuf, jnp.minimum(acc, limit))
 
 
 def propose(state: GenState, draft_params, dp: DecodeParams, mid_params=(), *, draft_cfg,

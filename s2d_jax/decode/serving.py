@@ -115,14 +115,19 @@ class Decoder:
             if min(p) < 0 or max(p) >= V:
                 raise S2DError(f"prompt {i} has token ids outside [0, {V}); wrong tokenizer?")
         longest = max(len(p) for p in prompts)
-        gamma = self.spec_base.round_span - 1  # = gamma without intermediate levels
-        if longest + gamma + 2 > self.context:
+        # Near a full buffer the rounds shrink (round.py): any room for one token will do.
+        if longest >= self.context:
             raise S2DError(f"a prompt of {longest} tokens does not fit the context of "
-                           f"{self.context} tokens (with gamma {gamma}); shorten the prompt")
+                           f"{self.context} tokens with a new token; shorten the prompt")
         P = prompt_width(longest, self.context)
         if max_len is None:
             max_len = buffer_len(P, max_new_tokens, self.spec_base.round_span, self.context)
-        spec = dataclasses.replace(self.spec_base, max_len=max(max_len, P))
+        elif max_len <= longest:
+            raise S2DError(f"max_len {max_len} leaves no room for a new token after a prompt "
+                           f"of {longest} tokens; pass max_len > {longest} (or none: the "
+                           f"buffer is then sized from max_new_tokens)")
+        P = min(P, max_len)  # an explicit buffer shorter than the padded prompt trims padding
+        spec = dataclasses.replace(self.spec_base, max_len=max_len)
         arr = np.zeros((len(prompts), P), np.int32)
         for i, p in enumerate(prompts):
             arr[i, :len(p)] = p

@@ -29,7 +29,7 @@ class SpecConfig:
       `exits[0]` layers as draft), s2d (sorted draft with escalation over `exits`).
     exits: draft exit depths e_1 < ... < e_m (layer counts); one exit for sd/self.
     gamma: draft tokens per round (0 for ar).
-    max_len: cache / token buffer length per row (prompt + generated + gamma + 1 slack).
+    max_len: cache / token buffer length per row; a row stops when it is full.
     kv_fill: how layers skipped by an early exit get keys/values, see drafting.py.
     mus: one accumulation length mu_k >= 1 per intermediate level of a polybasic chain
       (draft -> intermediate_1 -> ... -> target, round.py); () = two-level S2D.
