@@ -15,6 +15,7 @@ from s2d_jax.bench import runner as bench
 from s2d_jax.config import ModelConfig
 from s2d_jax.data.prompts import (end_of_turn_id, prompt_ids, read_questions, render_chat,
                                   resolve_template)
+from s2d_jax.errors import S2DError
 from s2d_jax.io.hf import export_hf
 from s2d_jax.io.tokenizer import load_tokenizer
 from s2d_jax.model import transformer as model
@@ -176,7 +177,7 @@ def test_second_turn_prompt_holds_the_methods_own_first_answer(chatml):
         assert chatml.hf.decode(second).count(f"assistant\n{text}<|im_end|>") == 1
         assert [r["prompt"] for r in rows] == [turns.first_prompts[0], second,
                                                turns.first_prompts[1]]
-    with pytest.raises(Exception, match="lower --max-new-tokens"):  # no room reserved
+    with pytest.raises(S2DError, match="lower --max-new-tokens"):  # no room reserved
         turns.next_prompt(width=8)(0, [a.answer])
 
 
