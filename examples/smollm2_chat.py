@@ -2,11 +2,11 @@
 
     python -m examples.smollm2_chat [--model DIR_OR_GGUF] [--prompt TEXT] [--method ar]
 
-`infer.generate --chat-template` knows only Vicuna, and its prompt text is tokenized with
-special-token strings kept as text, so a ChatML prompt cannot be passed through it yet. This
-renders the messages with the tokenizer's own template (special tokens as their ids) and
-decodes with the same Engine `infer.generate` uses. --model defaults to the HF dir written
-by `python -m infer.fetch_smollm2`.
+The same as `python -m infer.generate --chat-template auto` (its default for a tokenizer
+with a template), spelled out: the messages are rendered with the tokenizer's own template
+(s2d_jax.data.prompts, special tokens as their ids) and decoded with the Engine
+`infer.generate` uses until the template's end of turn. --model defaults to the HF dir
+written by `python -m infer.fetch_smollm2`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from s2d_jax.errors import cli_main
 
 def chat_ids(tok, prompt: str) -> list[int]:
     """Token ids of one user turn plus the assistant header, from the tokenizer's template."""
-    text = tok.hf.apply_chat_template([{"role": "user", "content": prompt}],
-                                      add_generation_prompt=True, tokenize=False)
-    return list(tok.hf(text, add_special_tokens=False)["input_ids"])
+    from s2d_jax.data.prompts import prompt_ids
+    return prompt_ids(tok, "auto", [prompt])
 
 
 @cli_main
@@ -37,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args(argv)
 
+    from s2d_jax.data.prompts import end_of_turn_id
     from s2d_jax.decode.serving import Engine, TargetSpec
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
                     exits=exits)
     out, = engine.generate("model", [chat_ids(tok, args.prompt)],
                            max_new_tokens=args.max_new_tokens, temperature=0.0,
-                           eos_id=tok.eos_id)
+                           eos_id=end_of_turn_id(tok, "auto"))
     print(tok.decode(out["token_ids"]))
     print(f"{out['stats']['new_tokens']} tokens", file=sys.stderr)
     return 0

@@ -13,6 +13,11 @@ printed), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench format) and
 matplotlib (pip install -e '.[bench]'), speedup.png. --hf-baseline also times HF
 transformers generate (plain, assisted), greedy (needs torch: the same extra).
 
+Prompts are rendered with --chat-template (auto: the target tokenizer's own template, else
+none). Questions with several turns (MT-bench) run as Spec-Bench runs them: each later turn
+is asked after the method's own previous answers, every turn is timed and counted, and the
+answer files hold one output per turn.
+
 Polybasic chains (--chain NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M], repeatable): draft
 -> MID -> target NAME, where MID is int8 / int4 / w8a8 (the target's own quantization:
 weight-only, or int8 weights and activations) or a model dir (optionally quantized), with
@@ -56,7 +61,8 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes over all prompts and methods; per prompt and method "
                     "the median (a slow spell of the machine hits one pass)")
-    ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
+                    help="auto: the tokenizer's own template, else none (default auto)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--hf-baseline", action="store_true")
     ap.add_argument("--chain", action="append", default=[],
@@ -135,13 +141,13 @@ def _check_chains(args, targets, temps, kinds) -> dict:
 
 
 def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log,
-                 chains=()):
+                 chains=(), turns=None):
     import jax
     from tqdm import tqdm
 
     from s2d_jax.bench import runner as bench
     from s2d_jax.bench import chains as bench_chain
-    from s2d_jax.decode.defaults import buffer_len, prompt_width, tokenizer_eos_id
+    from s2d_jax.decode.defaults import buffer_len, prompt_width
     from s2d_jax.decode.serving_config import load_serving_config
     from s2d_jax.io.checkpoint import load_model
 
@@ -173,7 +179,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
             mids[c.label] = bench_chain.load_intermediate(c, cfg, params, dtype=args.dtype,
                                                           quant_group=args.quant_group)
             chain_specs.append(bench_chain.chain_method_spec(c, baseline))
-    width = prompt_width(max(len(p) for p in prompts))
+    width = prompt_width(turns.longest)
     # the longest block a round verifies: gamma, or gamma + mu for a chain
     g_max = max([s.gamma for s in specs] + [1]
                 + [bench_chain.chain_baseline(c, baseline).gamma
@@ -182,8 +188,10 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                   + ([draft_cfg.max_position_embeddings] if draft_cfg else [])
                   + [m[0].max_position_embeddings for m in mids.values()])
     if width + g_max + 2 > context:
-        raise S2DError(f"the longest prompt ({width} tokens padded) does not fit the context "
-                       f"of {context}; use --max-prompts / --categories with shorter prompts")
+        later = " with room for a later turn's earlier answers" if turns.multi_turn else ""
+        raise S2DError(f"the longest prompt ({width} tokens padded{later}) does not fit the "
+                       f"context of {context}; use --max-prompts / --categories with shorter "
+                       f"prompts" + (" or lower --max-new-tokens" if later else ""))
     max_len = buffer_len(width, args.max_new_tokens, g_max + 1, context)
     decoders = bench.build_decoders(specs, cfg, params, draft_cfg, draft_params,
                                     prompt_width=width, tokenizer=tok)
@@ -193,7 +201,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
             prompt_width=width, tokenizer=tok)
     log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
         f"(compiling {len(decoders)} generations first)")
-    eos = tokenizer_eos_id(tok)
+    eos = turns.eos_id
     log(f"[{name}] compiling the in-loop cost probes (sampled after every prompt)")
     probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
                                max_len=max_len)
@@ -211,20 +219,21 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                             max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
                             repeats=args.repeats,
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
-                            between=between)
+                            between=between, next_turn=turns.next_prompt(width))
     costs = bench.measure_costs(probes)
-    cats = [q["category"] for q in questions]
+    cats = [questions[i]["category"] for i, _ in runs["items"]]
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
            "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
            "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],
-           "results": results}
+           "results": results, "items": [list(x) for x in runs["items"]]}
     if chains:
         out["chains"] = bench_chain.bench_chains(
             list(chains), mids, decoders, baseline, runs["runs"], results, chain_probes,
-            prompts=prompts, prompt_width=width, max_len=max_len,
+            prompts=[r["prompt"] for r in runs["runs"][0.0]["ar"]], prompt_width=width,
+            max_len=max_len,
             max_new_tokens=args.max_new_tokens, eos_id=eos, log=log)
-    return out, runs["runs"], notes
+    return out, runs, notes
 
 
 @cli_main
@@ -232,7 +241,8 @@ def main(argv=None):
     args = parse_args(argv)
     targets, temps, kinds, chains = _check_args(args)
     from s2d_jax.bench import report as bench_report
-    from s2d_jax.data.prompts import encode_questions, read_questions
+    from s2d_jax.bench import runner as bench_runner
+    from s2d_jax.data.prompts import read_questions, resolve_template
     from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.io.tokenizer import load_tokenizer
 
@@ -243,28 +253,36 @@ def main(argv=None):
         print(msg, file=sys.stderr, flush=True)
 
     tok = load_tokenizer(next(iter(targets.values())))
-    prompts = encode_questions(tok, questions, args.chat_template)
+    template, note = resolve_template(tok, args.chat_template, fallback="none")
+    if note:
+        log(note)
+    turns = bench_runner.Conversations(tok, template, questions, args.max_new_tokens)
+    prompts = turns.first_prompts
     draft = None
     if args.draft:
         from s2d_jax.io.checkpoint import load_model
         d_cfg, d_params, extra = load_model(args.draft, dtype=args.dtype)
         draft = (d_cfg, d_params, draft_exits(extra, d_cfg))
     report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
-    report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds)
+    report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds,
+                              chat_template=template,
+                              turns=sum(len(q["turns"]) for q in questions))
     all_runs = {}
     for name, path in targets.items():
         tgt, runs, notes = bench_target(name, path, args, kinds=kinds, temps=temps,
                                         questions=questions, prompts=prompts, tok=tok,
-                                        draft=draft, log=log, chains=chains.get(name, ()))
+                                        draft=draft, log=log, chains=chains.get(name, ()),
+                                        turns=turns)
         report["targets"][name], all_runs[name] = tgt, runs
         report["notes"] += notes
         if args.hf_baseline:
             from s2d_jax.bench.hf_baseline import hf_baselines
             log(f"[{name}] HF transformers generate (plain, assisted)")
-            ar = runs.get(0.0, {}).get("ar")
+            ar = runs["runs"].get(0.0, {}).get("ar")  # its turns' prompts: AR's conversation
             tgt["hf_baseline"] = hf_baselines(
-                path, args.draft, prompts, max_new_tokens=args.max_new_tokens,
-                eos_id=tok.eos_id, ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+                path, args.draft, [r["prompt"] for r in ar] if ar else prompts,
+                max_new_tokens=args.max_new_tokens, eos_id=turns.eos_id,
+                ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
         # Drop this target's executables: each holds JIT code pages, and a few hundred of
         # them (3 targets x methods x temperatures x cost probes) exhaust LLVM's section
         # memory ("Unable to allocate section memory") in one process.
@@ -278,12 +296,13 @@ def main(argv=None):
                            "length per round (per-round counts are not recorded)")
     out = args.out
     for name, runs in all_runs.items():
-        for t, per_method in runs.items():
+        for t, per_method in runs["runs"].items():
             for label, rows in per_method.items():
                 texts = [tok.decode(r["token_ids"]) for r in rows]
                 bench_report.write_answers(
                     os.path.join(out, "answers", name, f"{label}-T{t:g}.jsonl"),
-                    bench_report.answer_rows(questions, rows, texts, f"{name}-{label}"))
+                    bench_report.answer_rows(questions, runs["items"], rows, texts,
+                                             f"{name}-{label}"))
     table = bench_report.markdown_table(report)
     bench_report.write_atomic(os.path.join(out, "report.json"), json.dumps(report, indent=2))
     bench_report.write_atomic(os.path.join(out, "report.md"), table)

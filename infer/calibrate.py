@@ -54,7 +54,8 @@ def parse_args(argv):
     ap.add_argument("--stops", default="0.2,0.3,0.4,0.5",
                     help="draft stop thresholds tried on the chosen setting (dynamic draft "
                     "length: stop drafting after a token less confident than this); '' = off")
-    ap.add_argument("--chat-template", default="none", choices=("none", "vicuna"))
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
+                    help="auto: the tokenizer's own template, else none (default auto)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
     return ap.parse_args(argv)
@@ -92,10 +93,10 @@ class Calibration:
 
     def __init__(self, args, name, path, gammas):
         from s2d_jax.bench import runner as bench
-        from s2d_jax.decode.defaults import (buffer_len, draft_exits, prompt_width,
-                                             tokenizer_eos_id)
+        from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
         from s2d_jax.io.checkpoint import load_model
-        from s2d_jax.data.prompts import encode_questions, read_questions
+        from s2d_jax.data.prompts import (encode_questions, end_of_turn_id, read_questions,
+                                          resolve_template)
         from s2d_jax.io.tokenizer import load_tokenizer
 
         self.args, self.name, self.path, self.gammas = args, name, path, gammas
@@ -104,7 +105,10 @@ class Calibration:
         cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
         questions = read_questions(args.questions, cats, args.max_prompts)
         tok = load_tokenizer(path)
-        self.prompts = encode_questions(tok, questions, args.chat_template)
+        template, note = resolve_template(tok, args.chat_template, fallback="none")
+        if note:
+            log(note)
+        self.prompts = encode_questions(tok, questions, template)
         self.cfg, self.params, _ = load_model(path, dtype=args.dtype)
         self.d_cfg, self.d_params, extra = load_model(args.draft, dtype=args.dtype)
         self.exits = draft_exits(extra, self.d_cfg)
@@ -115,7 +119,7 @@ class Calibration:
             raise S2DError(f"draft vocab_size {self.d_cfg.vocab_size} differs from the "
                            f"target's {self.cfg.vocab_size}; use a draft trained for this "
                            f"target")
-        self.eos = tokenizer_eos_id(tok)
+        self.eos = end_of_turn_id(tok, template)
         self.width = prompt_width(max(len(p) for p in self.prompts))
         need = self.width + args.max_new_tokens + max(gammas) + 1
         self.max_len = buffer_len(self.width, args.max_new_tokens, max(gammas) + 1,

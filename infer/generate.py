@@ -53,7 +53,8 @@ def parse_args(argv):
     src.add_argument("--prompt", default=None)
     src.add_argument("--prompts", default=None, metavar="FILE.jsonl",
                      help="Spec-Bench / MT-bench lines (question_id, category, turns)")
-    ap.add_argument("--chat-template", default="vicuna", choices=("vicuna", "none"))
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
+                    help="auto: the tokenizer's own template, else vicuna (default auto)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the first target)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
@@ -222,15 +223,16 @@ def main(argv=None):
             raise S2DError(f"unknown target {r['target']!r}; known targets: "
                            f"{', '.join(targets)}")
     engine, tok = build_engine(args, targets)
-    from s2d_jax.data.chat import vicuna_prompt
-    from s2d_jax.decode.defaults import tokenizer_eos_id
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
 
+    template, note = resolve_template(tok, args.chat_template, fallback="vicuna")
+    if note:
+        print(note, file=sys.stderr)
     for r in reqs:
-        text = vicuna_prompt([r["text"]]) if args.chat_template == "vicuna" else r["text"]
-        r["ids"] = tok.encode(text, bos=True)
+        r["ids"] = prompt_ids(tok, template, [r["text"]])
     decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p,
-                     eos_id=tokenizer_eos_id(tok))
+                     eos_id=end_of_turn_id(tok, template))
     stream = args.prompt is not None and args.out is None
     rows = []
     for name in dict.fromkeys(r["target"] for r in reqs):

@@ -179,7 +179,9 @@ def _error(capsys, argv):
 
 
 def test_calibrate_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
-    base = ["--target", str(family / "target"), "--questions", str(family / "q.jsonl")]
+    # an explicit template: auto would note its fallback (no template) on stderr first
+    base = ["--target", str(family / "target"), "--questions", str(family / "q.jsonl"),
+            "--chat-template", "none"]
     assert "does not exist" in _error(capsys, base + ["--draft", str(tmp_path / "nope")])
     assert "gammas" in _error(capsys, base + ["--draft", str(family / "draft"), "--gammas", "0"])
     assert "single exit" in _error(capsys, base + ["--draft", str(family / "single")])

@@ -100,7 +100,9 @@ def _error(capsys, argv):
 
 def test_cli_bad_input_is_one_line_exit_2(models, capsys):
     root, _ = models
-    base = ["--target", str(root / "target"), "--draft", str(root / "draft"), "--prompt", "hi"]
+    # an explicit template: auto would note its fallback (no template) on stderr first
+    base = ["--target", str(root / "target"), "--draft", str(root / "draft"),
+            "--chat-template", "vicuna", "--prompt", "hi"]
     assert "threshold" in _error(capsys, base + ["--thresholds", "0.5,0.5,0.5"])
     assert "[0, 1]" in _error(capsys, base + ["--thresholds", "0.5,2"])
     assert "gamma" in _error(capsys, base + ["--gamma", "0"])

@@ -206,20 +206,27 @@ def acceptance_checks(report: dict) -> list[dict]:
     return checks + chain_checks(report)
 
 
-def answer_rows(questions: list[dict], rows: list[dict], texts: list[str], model_id: str
-                ) -> list[dict]:
-    """Spec-Bench answer lines. accept_lengths: the engine keeps per-round accepted counts
-    only as totals, so each row holds its mean over rounds (rounds times)."""
-    out = []
-    for q, r, text in zip(questions, rows, texts):
-        s = r["stats"]
-        out.append({"question_id": q["question_id"], "category": q.get("category"),
-                    "model_id": model_id,
-                    "choices": [{"index": 0, "turns": [text], "decoding_steps": [s["rounds"]],
-                                 "new_tokens": [len(r["token_ids"])],
-                                 "wall_time": [r["seconds"]],
-                                 "accept_lengths": [s["mean_accepted_tokens"]] * s["rounds"]}]})
-    return out
+def answer_rows(questions: list[dict], items: list, rows: list[dict], texts: list[str],
+                model_id: str) -> list[dict]:
+    """Spec-Bench answer lines, one per question: `rows[k]` / `texts[k]` are turn
+    items[k] = (question index, turn) and each list field holds one entry per turn.
+    accept_lengths: the engine keeps per-round accepted counts only as totals, so each turn
+    adds its mean over rounds (rounds times), all turns in one list as Spec-Bench does."""
+    out = {}
+    for (i, _), r, text in zip(items, rows, texts):
+        q, s = questions[i], r["stats"]
+        if i not in out:
+            out[i] = {"question_id": q["question_id"], "category": q.get("category"),
+                      "model_id": model_id,
+                      "choices": [{"index": 0, "turns": [], "decoding_steps": [],
+                                   "new_tokens": [], "wall_time": [], "accept_lengths": []}]}
+        c = out[i]["choices"][0]
+        c["turns"].append(text)
+        c["decoding_steps"].append(s["rounds"])
+        c["new_tokens"].append(len(r["token_ids"]))
+        c["wall_time"].append(r["seconds"])
+        c["accept_lengths"] += [s["mean_accepted_tokens"]] * s["rounds"]
+    return list(out.values())
 
 
 def write_answers(path: str, rows: list[dict]) -> None:

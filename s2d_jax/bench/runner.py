@@ -108,18 +108,70 @@ def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
     return out
 
 
+class Conversations:
+    """The questions' turns as prompt ids in one chat template: the first turns up front,
+    a later turn built from the method's own answers (run_target's next_turn)."""
+
+    SLACK = 8  # tokens an answer may gain when its decoded text is tokenized again
+
+    def __init__(self, tok, template: str, questions: list[dict], max_new_tokens: int):
+        from s2d_jax.data.prompts import end_of_turn_id, prompt_ids
+
+        self.tok, self.template, self.questions = tok, template, questions
+        self.eos_id = end_of_turn_id(tok, template)
+        self.first_prompts = [prompt_ids(tok, template, [q["text"]]) for q in questions]
+        self.multi_turn = any(len(q["turns"]) > 1 for q in questions)
+        # the longest prompt any turn can have: each earlier answer at most max_new_tokens
+        self.longest = max(
+            [len(p) for p in self.first_prompts]
+            + [len(prompt_ids(tok, template, q["turns"][:j + 1], [""] * j))
+               + j * (max_new_tokens + self.SLACK)
+               for q in questions for j in range(1, len(q["turns"]))])
+
+    def answer_text(self, ids) -> str:
+        # as Spec-Bench puts an answer into the conversation: decoded, special tokens
+        # dropped, whitespace stripped
+        return self.tok.decode(ids).strip()
+
+    def next_prompt(self, width: int):
+        """next_turn for run_target, refusing a prompt wider than the decoders' `width`."""
+        from s2d_jax.data.prompts import prompt_ids
+
+        def next_turn(i: int, answers: list[list[int]]) -> list[int] | None:
+            turns = self.questions[i]["turns"]
+            if len(answers) >= len(turns):
+                return None
+            ids = prompt_ids(self.tok, self.template, turns[:len(answers) + 1],
+                             [self.answer_text(a) for a in answers])
+            if len(ids) > width:
+                raise S2DError(f"turn {len(answers) + 1} of question "
+                               f"{self.questions[i]['question_id']} has {len(ids)} tokens, "
+                               f"more than the {width} reserved (its earlier answers grew "
+                               f"when tokenized again); lower --max-new-tokens")
+            return ids
+        return next_turn
+
+
 def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequence[float],
                max_new_tokens: int, max_len: int, eos_id: int, repeats: int = 1,
-               progress: Callable | None = None, between: Callable | None = None) -> dict:
-    """-> {temperature: {label: [per-prompt result]}} plus compile seconds per label.
-    `between()` runs after each prompt's runs (the cost probes' samples, cost_probes).
+               progress: Callable | None = None, between: Callable | None = None,
+               next_turn: Callable | None = None) -> dict:
+    """-> {"runs": {temperature: {label: [per-turn result]}}, "items": [(question, turn)],
+    "compile_seconds": {label: s}}. `between()` runs after each prompt's runs (the cost
+    probes' samples, cost_probes).
 
-    Per prompt result: token_ids, seconds (median over repeats), stats of the last repeat.
-    Repeats are whole passes over the prompts (every method of every prompt, then again),
-    not runs back to back: the machine has slow spells of several seconds (a greedy AR run
-    of target-l once took 2.1 s instead of 0.62 s on both of two back-to-back repeats, and
-    one prompt's S2D run 2x its twin's on two of three repeats taken round the methods),
-    and minutes apart a spell hits one pass of a prompt, which the median drops.
+    `prompts` are the questions' first turns. A multi-turn question continues as Spec-Bench
+    runs MT-bench: `next_turn(i, answers)` gets question i and the method's own answers so
+    far (token ids, one per turn) and returns the next turn's prompt ids, or None when the
+    conversation is over; each turn is a result of its own (timed and counted), in the order
+    of `items`. At T = 0 every lossless method gives AR's answers, hence AR's prompts.
+
+    Per turn result: token_ids, prompt, seconds (median over repeats), stats of the last
+    repeat. Repeats are whole passes over the prompts (every method of every prompt, then
+    again), not runs back to back: the machine has slow spells of several seconds (a greedy
+    AR run of target-l once took 2.1 s instead of 0.62 s on both of two back-to-back
+    repeats, and one prompt's S2D run 2x its twin's on two of three repeats taken round the
+    methods), and minutes apart a spell hits one pass of a prompt, which the median drops.
     """
     labels = list(decoders)
     kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id)
@@ -128,25 +180,33 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
         out = decoders[label].generate([prompts[0]], temperature=float(temperatures[0]), **kw)
         compile_s[label] = out[0]["stats"]["compile_seconds"]
     n = len(prompts)
-    secs = {(float(t), label, i): [] for t in temperatures for label in labels for i in range(n)}
-    outs = {}
+    secs, outs = {}, {}
     it = range(n * repeats) if progress is None else progress(range(n * repeats))
     for k in it:
         i = k % n
         order = labels[k % len(labels):] + labels[:k % len(labels)]
         for t in temperatures:
             for label in order:
-                out = decoders[label].generate([prompts[i]], temperature=float(t), seed=i,
-                                               **kw)[0]
-                secs[(float(t), label, i)].append(out["stats"]["batch_seconds"])
-                outs[(float(t), label, i)] = out
+                prompt, answers = prompts[i], []
+                while prompt is not None:
+                    j = len(answers)  # turn j of question i: its own seed (turn 0: i)
+                    out = decoders[label].generate([prompt], temperature=float(t),
+                                                   seed=i + j * n, **kw)[0]
+                    key = (float(t), label, i, j)
+                    secs.setdefault(key, []).append(out["stats"]["batch_seconds"])
+                    outs[key] = dict(out, prompt=list(prompt))
+                    answers.append(out["token_ids"])
+                    prompt = next_turn(i, answers) if next_turn is not None else None
         if between is not None:
             between()
-    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i)]["token_ids"],
-                                "seconds": statistics.median(secs[(float(t), label, i)]),
-                                "stats": outs[(float(t), label, i)]["stats"]}
-                               for i in range(n)] for label in labels} for t in temperatures}
-    return {"runs": runs, "compile_seconds": compile_s}
+    # every (T, method) ran the same turns: a question's turn count is the file's
+    items = sorted({(i, j) for (_, _, i, j) in outs})
+    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i, j)]["token_ids"],
+                                "prompt": outs[(float(t), label, i, j)]["prompt"],
+                                "seconds": statistics.median(secs[(float(t), label, i, j)]),
+                                "stats": outs[(float(t), label, i, j)]["stats"]}
+                               for i, j in items] for label in labels} for t in temperatures}
+    return {"runs": runs, "items": items, "compile_seconds": compile_s}
 
 
 def _aggregate(rows: list[dict]) -> dict:

@@ -85,6 +85,25 @@ def vicuna_prompt(user_turns: Sequence[str], assistant_turns: Sequence[str] = ()
     return text + f"{USER}: {user_turns[-1]}{SEP}{ASSISTANT}:"
 
 
+def vicuna_prompt_ids(tok, user_turns: Sequence[str], assistant_turns: Sequence[str] = (),
+                      system: str = VICUNA_SYSTEM) -> list[int]:
+    """Ids of `vicuna_prompt`, as Vicuna was trained (see the module docstring): BOS, then
+    each finished turn encoded on its own and closed by the EOS id, then the open turn.
+    One user turn gives exactly tok.encode(vicuna_prompt([q]), bos=True)."""
+    if len(user_turns) != len(assistant_turns) + 1:
+        raise S2DError(f"vicuna_prompt_ids needs one more user turn than assistant turns, "
+                       f"got {len(user_turns)} and {len(assistant_turns)}")
+    if assistant_turns and tok.eos_id is None:
+        raise S2DError(f"tokenizer {tok.path} has no EOS token, which the Vicuna template needs")
+    ids = [tok.bos_id] if tok.bos_id is not None else []
+    for k, (q, a) in enumerate(zip(user_turns, assistant_turns)):
+        head = (system + SEP if k == 0 else "") + f"{USER}: {q}{SEP}{ASSISTANT}: {a}"
+        ids += tok.encode(head, bos=False) + [tok.eos_id]
+    last = ((system + SEP if not assistant_turns else "")
+            + f"{USER}: {user_turns[-1]}{SEP}{ASSISTANT}:")
+    return ids + tok.encode(last, bos=False)
+
+
 def render_conversation(pairs: Sequence[tuple[str, str]], system: str = VICUNA_SYSTEM) -> str:
     """A whole training conversation as text, every reply closed by "</s>"."""
     return system + SEP + "".join(f"{USER}: {q}{SEP}{ASSISTANT}: {a}{SEP2}" for q, a in pairs)

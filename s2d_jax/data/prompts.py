@@ -1,4 +1,15 @@
-"""Question files (Spec-Bench / MT-bench jsonl: question_id, category, turns) -> prompts."""
+"""Question files (Spec-Bench / MT-bench jsonl: question_id, category, turns) -> prompts,
+and the one place prompts are rendered in a chat template for every CLI.
+
+Templates (`--chat-template`):
+  - auto: the tokenizer's own template (tokenizer_config.json / GGUF metadata) through
+    transformers' `apply_chat_template(..., add_generation_prompt=True)`; the text is then
+    tokenized with special-token strings as their ids and nothing added (the template
+    already holds BOS where the model wants it, as transformers' own tokenize=True does).
+    Without a template, each CLI falls back to its previous default (`resolve_template`).
+  - vicuna: Vicuna v1.1 with sentencepiece-exact ids (s2d_jax.data.chat).
+  - none: the user text as is after BOS; later turns are joined with blank lines.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +20,73 @@ from s2d_jax.errors import S2DError
 from s2d_jax.readers import read_text
 
 
+TEMPLATES = ("auto", "vicuna", "none")
+_PROBE_REPLY = "\u2063reply\u2063"  # text no template rewrites, to find what follows a reply
+
+
+def resolve_template(tok, choice: str, fallback: str) -> tuple[str, str | None]:
+    """The template to render with, and a note for stderr when `auto` had to fall back
+    (the tokenizer has no chat template) to `fallback`, the CLI's own default."""
+    if choice not in TEMPLATES:
+        raise S2DError(f"unknown chat template {choice!r}; use {', '.join(TEMPLATES)}")
+    if choice != "auto" or tok.chat_template is not None:
+        return choice, None
+    return fallback, (f"note: tokenizer {tok.path} has no chat template; --chat-template "
+                      f"auto renders prompts as {fallback}")
+
+
+def render_chat(tok, user_turns, assistant_turns=()) -> str:
+    """The tokenizer's own template rendered for [user 1, assistant 1, ..., user n] with the
+    assistant's generation header at the end."""
+    if tok.chat_template is None:
+        raise S2DError(f"tokenizer {tok.path} has no chat template; use --chat-template "
+                       f"vicuna or none")
+    messages = []
+    for k, q in enumerate(user_turns):
+        messages.append({"role": "user", "content": q})
+        if k < len(assistant_turns):
+            messages.append({"role": "assistant", "content": assistant_turns[k]})
+    try:
+        return tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # Jinja raises assorted types (its own raise_exception included)
+        raise S2DError(f"the chat template of {tok.path} fails to render ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); use --chat-template "
+                       f"vicuna or none") from e
+
+
+def prompt_ids(tok, template: str, user_turns, assistant_turns=()) -> list[int]:
+    """Token ids of the generation prompt for a conversation (`template`: auto, vicuna or
+    none, already resolved), assistant_turns being the replies given so far."""
+    user_turns, assistant_turns = list(user_turns), list(assistant_turns)
+    if len(user_turns) != len(assistant_turns) + 1:
+        raise S2DError(f"a prompt needs one more user turn than assistant turns, got "
+                       f"{len(user_turns)} and {len(assistant_turns)}")
+    if template == "auto":
+        return tok.encode_rendered(render_chat(tok, user_turns, assistant_turns))
+    if template == "vicuna":
+        from s2d_jax.data.chat import vicuna_prompt_ids
+        return vicuna_prompt_ids(tok, user_turns, assistant_turns)
+    if template == "none":
+        turns = [t for pair in zip(user_turns, assistant_turns) for t in pair]
+        return tok.encode("\n\n".join(turns + user_turns[-1:]), bos=True)
+    raise S2DError(f"unknown chat template {template!r}; use {', '.join(TEMPLATES)}")
+
+
+def end_of_turn_id(tok, template: str) -> int:
+    """The token ending the assistant's turn, where generation stops (-1: none, stop on the
+    budget). For auto, the first special token the template puts after a reply (ChatML's
+    <|im_end|>, Llama 3's <|eot_id|>); the tokenizer's EOS otherwise."""
+    eos = tok.eos_id if tok.eos_id is not None else -1
+    if template != "auto":
+        return eos
+    text = render_chat(tok, ["q", "q"], [_PROBE_REPLY])
+    tail = text[text.index(_PROBE_REPLY) + len(_PROBE_REPLY):] if _PROBE_REPLY in text else ""
+    special = set(tok.hf.all_special_ids) | {int(i) for i in tok.hf.added_tokens_decoder}
+    return next((i for i in tok.encode_rendered(tail) if i in special), eos)
+
+
 def read_questions(path: str, categories=None, max_prompts: int | None = None) -> list[dict]:
-    """[{question_id, category, target, text (first turn)}], filtered by category; with
+    """[{question_id, category, target, text (first turn), turns (all)}], filtered by category; with
     max_prompts, the first N taken round-robin over the categories. `target` is an optional
     per-line field naming the target a multi-target engine routes the prompt to."""
     if not os.path.isfile(path):
@@ -24,14 +100,15 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
             if not isinstance(row["turns"], list):  # a bare string would give its 1st char
                 raise TypeError
             text = row["turns"][0]
-            if not isinstance(text, str) or not text:
+            if not all(isinstance(t, str) and t for t in row["turns"]):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, IndexError, TypeError):
             raise S2DError(f"{path}:{n} is not a JSON line with a non-empty 'turns' list; "
                            f"write one {{\"turns\": [\"...\"]}} object per line (Spec-Bench / "
                            f"MT-bench format)")
         out.append({"question_id": row.get("question_id", n), "category":
-                    row.get("category"), "target": row.get("target"), "text": text})
+                    row.get("category"), "target": row.get("target"), "text": text,
+                    "turns": list(row["turns"])})
     if categories:
         known = sorted({str(q["category"]) for q in out})
         missing = [c for c in categories if c not in known]
@@ -56,10 +133,5 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
 
 
 def encode_questions(tok, questions: list[dict], chat_template: str = "none") -> list[list[int]]:
-    """Token ids per question (BOS first), optionally in the Vicuna chat template."""
-    if chat_template not in ("none", "vicuna"):
-        raise S2DError(f"unknown chat template {chat_template!r}; use none or vicuna")
-    if chat_template == "vicuna":
-        from s2d_jax.data.chat import vicuna_prompt
-        return [tok.encode(vicuna_prompt([q["text"]]), bos=True) for q in questions]
-    return [tok.encode(q["text"], bos=True) for q in questions]
+    """First-turn prompt ids per question in `chat_template` (resolved: auto, vicuna, none)."""
+    return [prompt_ids(tok, chat_template, [q["text"]]) for q in questions]

@@ -41,8 +41,10 @@ def normalize_dtype(dtype) -> str:
     return name
 
 
+# chat_template.jinja / .json: where transformers >= 4.43 saves the chat template
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "generation_config.json")
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def tokenizer_files(directory: str | None, required: bool = False) -> list[str]:

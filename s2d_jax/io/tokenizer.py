@@ -62,6 +62,18 @@ class Tokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return [head + list(ids) for ids in out["input_ids"]]
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of text rendered by a chat template: special-token strings in it become their
+        ids and nothing is added (the template already holds BOS where the model wants it)."""
+        return list(self.hf(text, add_special_tokens=False, split_special_tokens=False)
+                    ["input_ids"])
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's own chat template (Jinja text), None when it has none."""
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) and template.strip() else None
+
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids (no BOS) and each token's [start, end) character span in `text`."""
         out = self.hf(text, add_special_tokens=False, split_special_tokens=True,
@@ -177,6 +189,7 @@ def _sentencepiece_exact(hf, sp, path: str):
         tokenizer_object=backend, bos_token=hf.bos_token, eos_token=hf.eos_token,
         unk_token=hf.unk_token, pad_token=hf.pad_token,
         clean_up_tokenization_spaces=False)  # sentencepiece's decode does no clean-up
+    exact.chat_template = getattr(hf, "chat_template", None)  # a -chat model keeps its own
     for text in _PROBES:
         got = exact(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         if list(got) != sp.encode(text):
