@@ -13,6 +13,7 @@ import pytest
 
 from s2d_jax.bench import runner as bench
 from s2d_jax.config import ModelConfig
+from s2d_jax.data.prompts import (end_of_turn_id, prompt_ids, render_chat,
                                   resolve_template)
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf import export_hf
