@@ -30,7 +30,7 @@ from s2d_jax.data import sources as data_sources
 from s2d_jax.data.chat import VICUNA_SYSTEM, MalformedConversation, tokenize_conversation
 from s2d_jax.errors import S2DError
 
-FORMATS = ("auto", "sharegpt", "text")
+FORMATS = ("auto", "sharegpt", "text", "tokens")
 FEATURES = ("inputs", "targets", "loss_mask")
 _WARN_IDS = 5  # how many skipped row ids a warning names
 # First-fit bins filled at once: grain emits all bins when one example fits in none, so
@@ -40,8 +40,11 @@ PACKING_BINS = 64
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    paths: tuple[str, ...] = ()  # ShareGPT .json (list or single object) / .jsonl / .parquet, or .txt
-    format: str = "auto"  # auto | sharegpt | text
+    # ShareGPT .json (list or single object) / .jsonl / .parquet, .txt, or token-id .jsonl
+    paths: tuple[str, ...] = ()
+    # auto | sharegpt | text | tokens (JSON lines {"input_ids": [...], "learn_from": n}:
+    # ids as a model saw and produced them, loss on ids[n:], e.g. data/distill.py's rows)
+    format: str = "auto"
     tokenizer: str = "assets/llama2_tokenizer"
     seq_len: int = 512
     batch_size: int = 8  # global batch (all hosts)
@@ -89,6 +92,19 @@ def build_examples(cfg: DataConfig, tok) -> Examples:
              "examples": 0, "tokens": 0, "learned_tokens": 0}
     skipped: list[str] = []
     for path in cfg.paths:
+        if cfg.format == "tokens":
+            for i, row in enumerate(data_sources.load_token_rows(path, tok.vocab_size)):
+                stats["rows"] += 1
+                ids, n = row["input_ids"], row["learn_from"]
+                mask = [0] * n + [1] * (len(ids) - n)
+                if len(ids) > limit:
+                    stats["truncated"] += 1
+                    ids, mask = ids[:limit], mask[:limit]
+                if not any(mask[1:]):
+                    stats["no_learned_tokens"] += 1
+                    continue
+                out.append(_shifted(ids, mask))
+            continue
         if data_sources.file_format(path, cfg.format) == "text":
             for doc in tok.encode_batch(data_sources.load_text_documents(path), bos=True):
                 doc = doc + ([tok.eos_id] if tok.eos_id is not None else [])

@@ -82,3 +82,24 @@ def row_id(row, path: str, index: int) -> str:
     """A row's "id" field if it has one, else file#index: what warnings name."""
     rid = row.get("id") if isinstance(row, dict) else None
     return str(rid) if rid not in (None, "") else f"{os.path.basename(path)}#{index}"
+
+
+def load_token_rows(path: str, vocab_size: int) -> list[dict]:
+    """Rows {"input_ids": [int], "learn_from": int} of a token-id JSON-lines file, checked:
+    ids within the vocabulary, 0 <= learn_from <= len(input_ids)."""
+    _check_file(path)
+    rows = []
+    for n, line in enumerate(read_text(path, "data file").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, path, "data file", n)
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        start = row.get("learn_from") if isinstance(row, dict) else None
+        if (not isinstance(ids, list) or not isinstance(start, int)
+                or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+                or not 0 <= start <= len(ids)):
+            raise S2DError(f"{path}:{n} is not a token row {{\"input_ids\": [ids < {vocab_size}], "
+                           f"\"learn_from\": n <= len(input_ids)}}; regenerate the file with the "
+                           f"model's tokenizer")
+        rows.append({"input_ids": ids, "learn_from": start})
+    return rows

@@ -38,8 +38,11 @@ def with_exit_segments(params: dict, exits: tuple[int, ...]) -> dict:
     once. Call it outside the decode loop: a slice inside the loop body is a weight copy
     XLA re-executes every draft step (measured ~20% of a small draft's step on CPU)."""
     bounds = (0,) + tuple(exits)
-    return {**params, "exit_segments": tuple(model.layer_slice(params, lo, hi)
-                                             for lo, hi in zip(bounds[:-1], bounds[1:]))}
+    out = {**params, "exit_segments": tuple(model.layer_slice(params, lo, hi)
+                                            for lo, hi in zip(bounds[:-1], bounds[1:]))}
+    if "head_ids" in params:  # the sub-vocabulary head's rows, gathered once
+        out["head_rows"] = model.head_rows(params)
+    return out
 
 
 def _segment(params: dict, exits: tuple[int, ...], i: int) -> dict:

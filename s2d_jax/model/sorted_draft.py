@@ -33,6 +33,9 @@ class DraftConfig:
 
     exits: tuple[int, ...] = ()
     exit_weights: tuple[float, ...] = ()
+    # JSON file with a list of token ids: the draft's head scores only these (a
+    # sub-vocabulary head, transformer.sub_vocab_logits); "" = the full vocabulary.
+    head_vocab: str = ""
 
     def resolved_exits(self, num_layers: int) -> tuple[int, ...]:
         exits = self.exits or (num_layers,)
@@ -87,9 +90,33 @@ def multi_exit_logits(params: dict, cfg: ModelConfig, exits, tokens, positions=N
             for h in multi_exit_hidden(params, cfg, exits, tokens, positions, segment_ids)]
 
 
-def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask):
+def read_head_vocab(path: str, vocab_size: int) -> tuple[int, ...]:
+    """The sorted distinct token ids of a sub-vocabulary file (a JSON list of ids)."""
+    from s2d_jax.readers import read_json
+    ids = read_json(path, "draft.head_vocab file")
+    if (not isinstance(ids, list) or not ids
+            or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)):
+        raise S2DError(f"draft.head_vocab file {path} must hold a non-empty JSON list of token "
+                       f"ids in [0, {vocab_size}); rewrite it")
+    return tuple(sorted(set(ids)))
+
+
+def to_sub_vocab(targets, loss_mask, head_ids, vocab_size: int):
+    """Targets as indices into head_ids; tokens outside it leave the loss (the draft cannot
+    propose them, so there is nothing to learn there)."""
+    lookup = jnp.full((vocab_size,), -1, jnp.int32).at[head_ids].set(
+        jnp.arange(head_ids.shape[0], dtype=jnp.int32))
+    sub = lookup[targets]
+    return jnp.maximum(sub, 0), loss_mask * (sub >= 0)
+
+
+def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=None):
     """(sum of masked CE, number of masked correct argmax) for one exit's hidden state."""
-    logits = model.lm_logits(params, cfg, h)
+    if head_ids is None:
+        logits = model.lm_logits(params, cfg, h)
+    else:
+        logits = model.sub_vocab_logits({**params, "head_ids": head_ids}, cfg, h)
+        targets, loss_mask = to_sub_vocab(targets, loss_mask, head_ids, cfg.vocab_size)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
     return jnp.sum(ce * loss_mask), jnp.sum(correct * loss_mask)
@@ -99,19 +126,21 @@ def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask):
 _exit_sums_remat = jax.checkpoint(_exit_sums, static_argnums=(1,))
 
 
-def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none"):
+def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none",
+              head_ids=None):
     """Per-exit (CE sums [E], correct counts [E]) over the masked tokens of `batch`.
 
     `batch` holds `inputs`, `targets` int32 [B, T], `loss_mask` float [B, T] and optionally
     `positions`, `segment_ids` [B, T]. Sums (not means) so micro-batches add up exactly.
+    `head_ids` [V']: score a sub-vocabulary head (tokens outside it leave the loss).
     """
     hidden = multi_exit_hidden(params, cfg, exits, batch["inputs"], batch.get("positions"),
                                batch.get("segment_ids"), remat)
     mask = batch["loss_mask"].astype(jnp.float32)
     # A scan over the exits (not a Python loop): the LM head is gathered and its gradient
     # accumulated once per iteration instead of being materialised once per exit.
-    return jax.lax.map(lambda h: _exit_sums_remat(params, cfg, h, batch["targets"], mask),
-                       jnp.stack(hidden))
+    return jax.lax.map(lambda h: _exit_sums_remat(params, cfg, h, batch["targets"], mask,
+                                                  head_ids), jnp.stack(hidden))
 
 
 def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
@@ -129,6 +158,10 @@ def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
                   "tokens": tokens}
 
 
-def draft_hf_extra(exits) -> dict:
-    """Extra config.json fields recording the exits of an exported draft."""
-    return {"s2d_exits": [int(e) for e in exits]}
+def draft_hf_extra(exits, head_ids=None) -> dict:
+    """Extra config.json fields recording the exits (and sub-vocabulary head) of an
+    exported draft."""
+    extra = {"s2d_exits": [int(e) for e in exits]}
+    if head_ids is not None:
+        extra["s2d_head_vocab"] = [int(i) for i in head_ids]
+    return extra

@@ -262,8 +262,38 @@ def embed_tokens(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.nda
 
 
 def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
-    """Final norm + LM head (tied or untied) -> float32 logits [..., V]."""
+    """Final norm + LM head (tied or untied) -> float32 logits [..., V].
+
+    A draft with a sub-vocabulary head (params["head_ids"], see `sub_vocab_logits`) scores
+    only those tokens; every other token gets logit SUB_VOCAB_FLOOR (probability 0)."""
+    if "head_ids" in params:
+        full = jnp.full(h.shape[:-1] + (cfg.vocab_size,), SUB_VOCAB_FLOOR, jnp.float32)
+        return full.at[..., params["head_ids"]].set(sub_vocab_logits(params, cfg, h))
     return Transformer(cfg).apply({"params": params}, h, method=Transformer.lm_logits)
+
+
+# Finite, so temperature scaling and softmax stay NaN-free; exp(floor - max) is exactly 0.
+SUB_VOCAB_FLOOR = -1e9
+
+
+def head_rows(params: dict) -> jnp.ndarray:
+    """[V', D] rows of the LM head for the sub-vocabulary params["head_ids"]; pre-gathered
+    as params["head_rows"] outside a decode loop (a gather in the loop body re-runs)."""
+    if "head_rows" in params:
+        return params["head_rows"]
+    ids = params["head_ids"]
+    return params["lm_head"][:, ids].T if "lm_head" in params else params["embed"][ids]
+
+
+def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+    """Float32 logits [..., V'] over the sub-vocabulary params["head_ids"] [V'].
+
+    A draft's head over the target's most frequent output tokens costs V'/V of the full
+    head (SmolLM2's 49152 x 576 head costs about eight of its layers). Speculative
+    sampling stays exact: the draft's q is 0 outside the sub-vocabulary, so those tokens
+    are simply never proposed (the target still emits them on rejection)."""
+    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return jnp.einsum("...D,VD->...V", x, head_rows(params).astype(x.dtype)).astype(jnp.float32)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,

@@ -43,6 +43,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0  # 0 = no clipping
     grad_accum_steps: int = 1
+    # Param paths kept at their initial values, e.g. [embed]: a draft sharing its target's
+    # tied embedding stores only its own layers and norm.
+    frozen: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from s2d_jax.config import ModelConfig, load_model_config, read_hf_config
 from s2d_jax.parallel.multihost import maybe_initialize_distributed
 from s2d_jax.errors import S2DError
 from s2d_jax.parallel.mesh import check_divisible
-from s2d_jax.model.sorted_draft import draft_hf_extra, validate_exits
+from s2d_jax.model.sorted_draft import draft_hf_extra, read_head_vocab, validate_exits
 from s2d_jax.train.config import OptimizerConfig, TrainConfig
 from s2d_jax.train.data import batch_fingerprint, make_train_iterator
 from s2d_jax.parallel.mesh import make_mesh
@@ -70,13 +70,13 @@ def draft_of_target(full: ModelConfig, tc: TrainConfig):
 
 @functools.lru_cache(maxsize=8)
 def build_step(cfg: ModelConfig, exits, weights, opt: OptimizerConfig, total_steps: int, mesh,
-               remat: str):
+               remat: str, head_ids: tuple[int, ...] | None = None):
     """(optimizer, state shardings, jitted init, jitted step), cached on the (hashable) settings so that
     runs in one process (tests, benchmarks) reuse the compiled step."""
     tx, schedule = make_optimizer(opt, total_steps)
     shardings = state_shardings(cfg, mesh, tx)
     step_fn = make_train_step(cfg, exits, weights, tx, schedule, mesh, shardings,
-                              opt.grad_accum_steps, remat)
+                              opt.grad_accum_steps, remat, opt.frozen, head_ids)
     return tx, shardings, make_init_fn(tx, shardings), step_fn
 
 
@@ -171,8 +171,10 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
     iterator = make_train_iterator(tc.data, cfg.vocab_size, tc.synthetic_data,
                                    jax.process_index(), jax.process_count(), tokenizer)
     total_steps = _total_steps(tc, iterator)
+    head_ids = (read_head_vocab(tc.draft.head_vocab, cfg.vocab_size) if tc.draft.head_vocab
+                else None)
     tx, shardings, init_fn, step_fn = build_step(cfg, exits, weights, tc.optimizer, total_steps,
-                                                  mesh, tc.remat)
+                                                  mesh, tc.remat, head_ids)
 
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
@@ -228,11 +230,11 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
             bar.close()
         log.close()
     if tc.export_dir:
-        export_draft(tc, cfg, exits, state.params)
+        export_draft(tc, cfg, exits, state.params, head_ids)
     return {"state": state, "history": history, "cfg": cfg, "exits": exits, "start_step": start}
 
 
-def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params) -> None:
+def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None) -> None:
     """The trained draft as an HF Llama dir of N layers; exits in config.json `s2d_exits`."""
     from jax.experimental import multihost_utils
 
@@ -241,7 +243,7 @@ def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params) -> None:
             else jax.device_get(params))
     if jax.process_index() == 0:
         tok_dir = None if tc.synthetic_data else tc.data.tokenizer
-        export_hf(host, cfg, tc.export_dir, extra=draft_hf_extra(exits), tokenizer_dir=tok_dir,
+        export_hf(host, cfg, tc.export_dir, extra=draft_hf_extra(exits, head_ids), tokenizer_dir=tok_dir,
                   overwrite=tc.export_overwrite)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -46,7 +47,34 @@ def make_optimizer(o: OptimizerConfig, total_steps: int):
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
                              weight_decay=o.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+    tx = optax.chain(*parts)
+    if o.frozen:
+        # Frozen params get zero updates (their gradients are already zero through
+        # stop_frozen_gradients; this also cancels weight decay). A stateless mask keeps
+        # the optimizer state shaped like the params, so its shardings follow them.
+        tx = optax.chain(tx, optax.masked(optax.set_to_zero(),
+                                          lambda params: frozen_mask(params, o.frozen)))
+    return tx, schedule
+
+
+def _is_frozen(path, frozen) -> bool:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    return any(name == f or name.startswith(f + "/") for f in frozen)
+
+
+def frozen_mask(params, frozen):
+    """True per frozen leaf: its "/"-path is, or lies under, one of `frozen` ("embed",
+    "layers/wq", "layers")."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _is_frozen(path, frozen), params)
+
+
+def stop_frozen_gradients(params, frozen):
+    """params with frozen leaves behind stop_gradient: XLA then drops their weight
+    gradients (for a frozen embedding/head, the largest matmul of the backward pass)."""
+    if not frozen:
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jax.lax.stop_gradient(x) if _is_frozen(path, frozen) else x, params)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -86,14 +114,21 @@ def make_init_fn(tx, shardings: TrainState):
 
 def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[float, ...], tx,
                     schedule, mesh: Mesh, shardings: TrainState, grad_accum_steps: int = 1,
-                    remat: str = "none"):
-    """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics)."""
+                    remat: str = "none", frozen: tuple[str, ...] = (),
+                    head_ids: tuple[int, ...] | None = None):
+    """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics).
+
+    `frozen`: param paths whose gradients are not computed (see make_optimizer);
+    `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums)."""
     w = jnp.asarray(weights, jnp.float32)
     A = grad_accum_steps
     micro_sharding = NamedSharding(mesh, spec((None, "batch", "seq")))
+    head = None if head_ids is None else np.asarray(head_ids, np.int32)
 
     def loss_fn(params, micro, total_tokens):
-        ce, correct = soft_sums(params, cfg, exits, micro, remat)
+        params = stop_frozen_gradients(params, frozen)
+        ce, correct = soft_sums(params, cfg, exits, micro, remat,
+                                None if head is None else jnp.asarray(head))
         loss = jnp.sum(w * ce) / total_tokens / jnp.sum(w)
         return loss, (ce, correct)
 

@@ -1,0 +1,148 @@
+"""Self-distillation data: a target's own answers to training prompts, as token ids.
+
+Speculative decoding accepts a drafted token when it is the *target's* token, so a draft
+trained on the target's outputs (sequence-level distillation: DistillSpec, Medusa-2) learns
+what it will be asked to predict. Each prompt is answered greedily and at T = 1 (the two
+modes the benchmark measures) by this project's engine, and a row keeps the exact ids the
+target saw and produced (`input_ids`, loss from `learn_from`), so no decode/re-encode
+round trip changes them. Rows are appended batch by batch: a rerun resumes after the last
+complete batch.
+
+Training prompts never come from Spec-Bench, MT-bench or GSM8K test: `training_prompts`
+reads GSM8K *train*, self-instruct tasks and ShareGPT conversations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from s2d_jax.errors import S2DError
+from s2d_jax.readers import read_text
+
+
+def _jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise S2DError(f"prompt file {path} does not exist; check the path")
+    rows = []
+    for n, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise S2DError(f"{path}:{n} is not valid JSON ({e.msg}); fix the line") from e
+    return rows
+
+
+def _self_instruct(row: dict) -> str:
+    """The instruction, with its first instance's input when it has one."""
+    inst = (row.get("instances") or [{}])[0].get("input", "").strip()
+    return row["instruction"].strip() + (f"\n\n{inst}" if inst else "")
+
+
+def prompts_from_file(path: str) -> list[str]:
+    """Training prompts of one file, by its kind: GSM8K (`question`), self-instruct
+    (`instruction` + first instance input), ShareGPT (every human turn that opens a
+    conversation)."""
+    if path.endswith(".json"):
+        from s2d_jax.data.sources import load_records
+        out = []
+        for row in load_records(path):
+            turns = row.get("conversations") or []
+            if turns and turns[0].get("from") == "human":
+                out.append(turns[0]["value"].strip())
+        return out
+    rows = _jsonl(path)
+    if rows and "question" in rows[0]:
+        return [r["question"].strip() for r in rows]
+    if rows and "instruction" in rows[0]:
+        return [_self_instruct(r) for r in rows]
+    raise S2DError(f"{path} has neither 'question' (GSM8K) nor 'instruction' (self-instruct) "
+                   f"rows nor ShareGPT conversations; give a file of one of those kinds")
+
+
+def training_prompts(quota: dict[str, int], seed: int = 0, max_chars: int = 1500) -> list[str]:
+    """{path: how many (0 = all)} -> distinct prompts (seeded draw per file, shuffled).
+
+    Prompts longer than max_chars are dropped: the draft learns from answers, and a long
+    prompt only pads the batch."""
+    rng = np.random.default_rng(seed)
+    out, seen = [], set()
+    for path, n in quota.items():
+        pool = [p for p in dict.fromkeys(prompts_from_file(path)) if p and len(p) <= max_chars
+                and p not in seen]
+        picks = rng.permutation(len(pool))[:n or len(pool)]
+        chosen = [pool[i] for i in sorted(picks.tolist())]
+        seen.update(chosen)
+        out += chosen
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def _done_rows(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def generate_answers(decoder, tok, prompts: list[str], out_path: str, *,
+                     max_new_tokens: int = 192, temperatures=(0.0, 1.0), batch_size: int = 32,
+                     max_batches: int | None = None, seed: int = 0, log=print) -> dict:
+    """Append one row per (temperature, prompt) to out_path: {"input_ids", "learn_from",
+    "temperature", "prompt"}; resumes after the rows already there. Prompts are rendered
+    with the tokenizer's chat template and batched by length (less padding); max_batches
+    caps the batches (each answered at every temperature), taken in a seeded random order."""
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids
+
+    eot = end_of_turn_id(tok, "auto")
+    ids = [prompt_ids(tok, "auto", [p]) for p in prompts]
+    order = np.argsort([len(i) for i in ids], kind="stable")
+    batches = [[int(i) for i in order[k:k + batch_size]] for k in range(0, len(order), batch_size)]
+    # batches of similar lengths, in a seeded random order, each at every temperature: a
+    # run stopped early still covers both modes and all prompt lengths
+    picks = np.random.default_rng(seed).permutation(len(batches))
+    jobs = [(t, batches[b]) for b in picks[:max_batches] for t in temperatures]
+    done = _done_rows(out_path)
+    ends = np.cumsum([len(r) for _, r in jobs]).tolist()
+    if done and done not in ends:
+        raise S2DError(f"{out_path} has {done} rows, which does not end a batch of this run; "
+                       f"delete it or rerun with the settings it was written with")
+    skip = ends.index(done) + 1 if done else 0
+    tokens = 0
+    with open(out_path, "a", encoding="utf-8") as f:
+        for j, (t, rows) in enumerate(jobs):
+            if j < skip:
+                continue
+            res = decoder.generate([ids[i] for i in rows], max_new_tokens=max_new_tokens,
+                                   temperature=t, seed=seed + j, eos_id=eot)
+            # one write per batch: an interrupted run leaves whole batches
+            f.write("".join(json.dumps({"input_ids": ids[i] + r["token_ids"],
+                                        "learn_from": len(ids[i]), "temperature": t,
+                                        "prompt": prompts[i]}) + "\n"
+                            for i, r in zip(rows, res)))
+            f.flush()
+            tokens += sum(len(r["token_ids"]) for r in res)
+            log(f"[distill] batch {j + 1}/{len(jobs)} (T = {t:g}): {tokens} answer tokens")
+    return {"rows": sum(len(r) for _, r in jobs), "resumed_after": done,
+            "new_answer_tokens": tokens}
+
+
+def frequent_tokens(rows_path: str, size: int, vocab_size: int) -> list[int]:
+    """A sub-vocabulary of `size` ids for a draft's head: the target's answer tokens in
+    `rows_path` by decreasing frequency, then (to cover text the answers never showed) the
+    lowest remaining ids, which a BPE vocabulary assigns to its earliest, most frequent
+    merges. Sorted."""
+    from s2d_jax.data.sources import load_token_rows
+
+    if not 0 < size <= vocab_size:
+        raise S2DError(f"sub-vocabulary size {size} must lie in [1, {vocab_size}]")
+    counts = np.zeros(vocab_size, np.int64)
+    for row in load_token_rows(rows_path, vocab_size):
+        np.add.at(counts, np.asarray(row["input_ids"][row["learn_from"]:], np.int64), 1)
+    seen = np.flatnonzero(counts)
+    by_freq = seen[np.argsort(-counts[seen], kind="stable")][:size].tolist()
+    chosen = set(by_freq)
+    fill = [i for i in range(vocab_size) if i not in chosen][:size - len(by_freq)]
+    return sorted(by_freq + fill)

@@ -1,0 +1,148 @@
+"""The sorted draft of SmolLM2-135M-Instruct, end to end: self-distilled data, SoFT,
+the committed draft pack, calibration.
+
+    python -m infer.fetch_smollm2          # once: the target, ~/.cache/s2d-jax/...
+    python -m train.smollm2_draft          # ~1.5 h on a 2-core CPU
+
+1. distill: the target answers training prompts (GSM8K train, self-instruct, ShareGPT;
+   never Spec-Bench / MT-bench / GSM8K test) greedily and at T = 1 -> WORK/distill.jsonl
+   (token ids; resumes after the last complete batch).
+2. head vocabulary: the --head-vocab most frequent answer tokens (filled up by lowest id)
+   -> WORK/head_vocab.json; the draft's head scores only these.
+3. SoFT (configs/train/smollm2_draft.yaml): the target's first exits[-1] layers, one loss
+   per exit averaged, the tied embedding frozen (shared with the target); resumes from
+   WORK/ckpt.
+4. pack: the draft's own layers and norm (int8) + exits + head vocabulary -> --out.
+5. calibrate: thresholds and gamma on data/smollm2_calibration.jsonl (disjoint from
+   Spec-Bench) -> the target's s2d_serving.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from infer.args import ArgumentParser, parse_ints
+from s2d_jax.errors import S2DError, cli_main
+
+DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
+                              "SmolLM2-135M-Instruct")
+# How many prompts of each training file are answered (0 = all of it).
+PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.jsonl": 0,
+                "data/self_instruct_user_oriented.jsonl": 0,
+                "data/sharegpt_dummy_conversation.json": 0,
+                "data/sharegpt_axolotl_conversation.json": 0}
+
+
+def parse_args(argv):
+    ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="the target's HF dir (fetched "
+                    "by python -m infer.fetch_smollm2)")
+    ap.add_argument("--work", default="runs/smollm2_draft", help="data, checkpoints, logs")
+    ap.add_argument("--out", default="models/smollm2-draft", help="the draft pack to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
+    ap.add_argument("--head-vocab", type=int, default=4096,
+                    help="size of the draft head's sub-vocabulary (0 = full vocabulary)")
+    ap.add_argument("--distill-batches", type=int, default=0,
+                    help="answer only this many batches of 32 prompts, each greedy and at "
+                    "T = 1, in the seeded order (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
+    ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
+    ap.add_argument("--skip-calibration", action="store_true")
+    args = ap.parse_args(argv)
+    args.target = os.path.expanduser(args.target)
+    args.exits = parse_ints(args.exits, "--exits")
+    if not os.path.isdir(args.target):
+        ap.error(f"target {args.target} does not exist; fetch it with "
+                 f"python -m infer.fetch_smollm2 or pass --target DIR")
+    if os.path.exists(args.out) and not args.overwrite:
+        ap.error(f"{args.out} already exists; pass --overwrite to replace it or choose --out")
+    for name in ("distill_batches", "steps", "head_vocab"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    return args
+
+
+def distill(args, log) -> str:
+    from s2d_jax.data.distill import generate_answers, training_prompts
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    path = os.path.join(args.work, "distill.jsonl")
+    prompts = training_prompts(PROMPT_QUOTA, seed=0)
+    cfg, params, _ = load_model(args.target, dtype="float32")
+    tok = load_tokenizer(args.target)
+    dec = Decoder(cfg, params, method="ar", name="target")
+    stats = generate_answers(dec, tok, prompts, path, max_new_tokens=args.max_new_tokens,
+                             batch_size=32, max_batches=args.distill_batches or None, log=log)
+    log(f"[distill] {path}: {stats}")
+    return path
+
+
+def soft(args, rows: str, log) -> str:
+    from s2d_jax.data.distill import frequent_tokens
+    from s2d_jax.train.config import load_train_config
+    from s2d_jax.train.loop import train
+
+    over = [f"model.path={args.target}", f"data.tokenizer={args.target}",
+            f"data.paths=[{rows}]", f"draft.exits=[{','.join(map(str, args.exits))}]",
+            f"checkpoint.dir={os.path.abspath(os.path.join(args.work, 'ckpt'))}",
+            f"metrics_path={os.path.join(args.work, 'metrics.jsonl')}",
+            f"export_dir={os.path.join(args.work, 'draft_hf')}", "export_overwrite=true"]
+    if args.head_vocab:
+        from s2d_jax.config import read_hf_config
+        vocab = read_hf_config(os.path.join(args.target, "config.json")).vocab_size
+        head = os.path.join(args.work, "head_vocab.json")
+        with open(head, "w") as f:
+            json.dump(frequent_tokens(rows, args.head_vocab, vocab), f)
+        over.append(f"draft.head_vocab={head}")
+    if args.steps:
+        over.append(f"optimizer.total_steps={args.steps}")
+    tc = load_train_config("configs/train/smollm2_draft.yaml", over)
+    out = train(tc)
+    last = out["history"][-1] if out["history"] else None
+    if last:
+        log(f"[soft] step {last['step']}: exit accuracy " + ", ".join(
+            f"{e}: {a:.3f}" for e, a in last["exit_acc"].items()))
+    return tc.export_dir
+
+
+def pack(args, draft_hf: str, log) -> None:
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.draft_pack import save_draft_pack
+
+    _, target, _ = load_model(args.target, dtype="float32")
+    cfg, params, extra = load_model(draft_hf, dtype="float32")
+    save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
+                    weights="int8", overwrite=args.overwrite)
+    log(f"[pack] wrote {args.out}")
+
+
+def calibrate(args, log) -> None:
+    from infer import calibrate as calibrate_cli
+    calibrate_cli.main(["--target", f"smollm2={args.target}", "--draft", args.out,
+                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "16",
+                        "--max-new-tokens", "96", "--gammas", "3,4,5", "--repeats", "1"])
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    rows = distill(args, log)
+    draft_hf = soft(args, rows, log)
+    pack(args, draft_hf, log)
+    if not args.skip_calibration:
+        calibrate(args, log)
+
+
+if __name__ == "__main__":
+    main()
