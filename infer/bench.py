@@ -221,7 +221,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
                             between=between, next_turn=turns.next_prompt(width))
     costs = bench.measure_costs(probes)
-    cats = [questions[i]["category"] for i, _ in runs["items"]]
+    cats = [questions[i]["task"] for i, _ in runs["items"]]  # Spec-Bench's tasks
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
            "num_params": int(sum(x.size for x in jax.tree.leaves(params))),

@@ -123,7 +123,9 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
         for _ in range(gamma):  # the greedy exit-1 drafts, recomputed without a cache
             h = first_layer(jnp.asarray(seq, jnp.int32))
             seq.append(int(jnp.argmax(model.lm_logits(p, CFG, h[0, -1]))))
-        fed = np.arange(L[b] - 2, L[b] + gamma - 1)  # window L-2, L-1, then L .. L+gamma-2
+        # window L-2 (the last prompt token: exact K/V from the prefill, kept), L-1, then
+        # L .. L+gamma-2 (the drafts fed back): CALM from L-1 on
+        fed = np.arange(L[b] - 2, L[b] + gamma - 1)
         h_exit = first_layer(jnp.asarray(seq[:fed[-1] + 1], jnp.int32))[:, fed]
         true_h = model.embed_tokens(p, CFG, jnp.asarray(seq[:fed[-1] + 1])[None])
         cache_true = init_cache(CFG, 1, spec.max_len)
@@ -133,7 +135,44 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
             k_want, v_want = calm_kv(p, h_exit, jnp.asarray(fed)[None], layer)
             got_k = np.asarray(state.draft_cache.k[layer, b, fed])
             got_v = np.asarray(state.draft_cache.v[layer, b, fed])
-            np.testing.assert_allclose(got_k, k_want[0], rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(got_v, v_want[0], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got_k[1:], k_want[0, 1:], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got_v[1:], v_want[0, 1:], rtol=1e-4, atol=1e-4)
+            # the prefilled position keeps its exact K/V
+            np.testing.assert_allclose(got_k[0], np.asarray(cache_true.k[layer, 0, fed[0]]),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(got_v[0], np.asarray(cache_true.v[layer, 0, fed[0]]),
+                                       rtol=1e-4, atol=1e-4)
             gap = np.abs(np.asarray(cache_true.k[layer, 0, fed]) - k_want[0]).max()
             assert gap < 1e-4 if layer == SKIPPED[0] else gap > 1e-2
+
+
+def test_fully_accepted_block_gets_calm_kv_at_its_last_draft_next_round():
+    """The last drafted token of a fully accepted block was never fed to the draft: the next
+    round's window must fill its skipped layers (its position is below length - 1, where an
+    exact value would otherwise be assumed)."""
+    p = params()
+    # The target is the draft's exit-1 model itself (layer 0, same norm and head): greedy
+    # drafts from exit 1 are then always accepted.
+    one = dict(p, layers=jax.tree.map(lambda w: w[:1], p["layers"]))
+    tcfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                       num_heads=4, num_kv_heads=2, max_position_embeddings=96)
+    gamma = 3
+    spec = SpecConfig(method="s2d", exits=EXITS, gamma=gamma, max_len=32)
+    dp = DecodeParams.make(spec, STOP_AT_FIRST, max_new_tokens=16)
+    prompts = jnp.asarray([[5, 9, 2, 7, 11, 3]], jnp.int32)
+    kw = dict(draft_cfg=CFG, target_cfg=tcfg, spec=spec)
+    state = engine.prefill(p, one, prompts, jnp.asarray([6]), dp, jax.random.key(0), **kw)
+    L0 = int(state.length[0])
+    state = engine.decode_chunk(state, p, one, dp, jnp.int32(1), **kw)
+    assert int(state.length[0]) == L0 + gamma + 1  # the whole block and the bonus
+    state = engine.decode_chunk(state, p, one, dp, jnp.int32(1), **kw)
+    seq = jnp.asarray(state.tokens[0, :int(state.length[0])])
+    pos = L0 + gamma - 1  # the block's last draft
+    h = model.run_layers(p, CFG, model.embed_tokens(p, CFG, seq[None]),
+                         jnp.arange(seq.shape[0], dtype=jnp.int32)[None], 0, 1)[0]
+    for layer in SKIPPED:
+        k_want, v_want = calm_kv(p, h[:, pos:pos + 1], jnp.asarray([[pos]]), layer)
+        np.testing.assert_allclose(np.asarray(state.draft_cache.k[layer, 0, pos]), k_want[0, 0],
+                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(state.draft_cache.v[layer, 0, pos]), v_want[0, 0],
+                                   rtol=1e-4, atol=1e-4)

@@ -85,10 +85,21 @@ def end_of_turn_id(tok, template: str) -> int:
     return next((i for i in tok.encode_rendered(tail) if i in special), eos)
 
 
+# Spec-Bench's six tasks: its MT-bench questions (8 categories) are one task, "mt_bench".
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                       "stem", "humanities")
+
+
+def task_of(category) -> str:
+    """The Spec-Bench task of a question category (MT-bench's categories -> mt_bench)."""
+    return "mt_bench" if category in MT_BENCH_CATEGORIES else str(category)
+
+
 def read_questions(path: str, categories=None, max_prompts: int | None = None) -> list[dict]:
-    """[{question_id, category, target, text (first turn), turns (all)}], filtered by category; with
-    max_prompts, the first N taken round-robin over the categories. `target` is an optional
-    per-line field naming the target a multi-target engine routes the prompt to."""
+    """[{question_id, category, task, target, text (first turn), turns (all)}], filtered by
+    category or task; with max_prompts, the first N taken round-robin over the tasks
+    (`task_of`; within MT-bench, over its categories). `target` is an optional per-line
+    field naming the target a multi-target engine routes the prompt to."""
     if not os.path.isfile(path):
         raise S2DError(f"questions file {path} does not exist; check the path")
     out = []
@@ -107,29 +118,34 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
                            f"write one {{\"turns\": [\"...\"]}} object per line (Spec-Bench / "
                            f"MT-bench format)")
         out.append({"question_id": row.get("question_id", n), "category":
-                    row.get("category"), "target": row.get("target"), "text": text,
-                    "turns": list(row["turns"])})
+                    row.get("category"), "task": task_of(row.get("category")),
+                    "target": row.get("target"), "text": text, "turns": list(row["turns"])})
     if categories:
-        known = sorted({str(q["category"]) for q in out})
+        known = sorted({str(q["category"]) for q in out} | {q["task"] for q in out})
         missing = [c for c in categories if c not in known]
         if missing:
             raise S2DError(f"category {missing[0]!r} is not in {path}; known: {', '.join(known)}")
-        out = [q for q in out if q["category"] in categories]
+        out = [q for q in out if q["category"] in categories or q["task"] in categories]
     if max_prompts is not None:
         if max_prompts < 1:
             raise S2DError(f"--max-prompts must be >= 1, got {max_prompts}")
         # Spec-Bench files are grouped by category: take the first prompts of every
         # category in turn, so a short run still covers every task
-        groups = {}
-        for q in out:
-            groups.setdefault(q["category"], []).append(q)
-        rounds = [q for i in range(max(len(g) for g in groups.values()))
-                  for g in groups.values() if i < len(g) for q in [g[i]]]
-        out = rounds[:max_prompts]
+        out = _round_robin(out, "task", lambda g: _round_robin(g, "category"))[:max_prompts]
     if not out:
         raise S2DError(f"questions file {path} holds no prompts; write one JSON line with a "
                        f"'turns' list per prompt")
     return out
+
+
+def _round_robin(items: list[dict], key: str, order_group=lambda g: g) -> list[dict]:
+    """items interleaved over their `key` groups (first of each group, then second, ...),
+    each group first ordered by order_group."""
+    groups: dict = {}
+    for q in items:
+        groups.setdefault(q[key], []).append(q)
+    groups = [order_group(g) for g in groups.values()]
+    return [g[i] for i in range(max(len(g) for g in groups)) for g in groups if i < len(g)]
 
 
 def encode_questions(tok, questions: list[dict], chat_template: str = "none") -> list[list[int]]:

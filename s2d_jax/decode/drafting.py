@@ -55,7 +55,12 @@ def _segment(params: dict, exits: tuple[int, ...], i: int) -> dict:
 def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
                     start: int, end: int, cache: KVCache, layers: dict | None = None) -> KVCache:
     """CALM K/V for layers [start, end) from hidden states h [B, T, D] at positions [B, T]
-    (`layers`: those layers' weights if already sliced)."""
+    (`layers`: those layers' weights if already sliced).
+
+    Only positions >= cache.lengths are written: below it the cache already holds K/V for
+    these very tokens (exact from the prefill or a deeper pass, or an earlier fill), and an
+    approximation must not overwrite an exact value (re-feeding the catch-up window's
+    first position would otherwise replace its prefill K/V)."""
     if start == end:
         return cache
     lp = model.layer_slice(params, start, end) if layers is None else layers
@@ -71,7 +76,8 @@ def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: j
     k = jnp.moveaxis(k, 2, 0)  # [L, B, T, K, H]
     li = jnp.arange(start, end)[:, None, None]
     bi = jnp.arange(B)[None, :, None]
-    pi = positions[None]
+    # held positions are sent out of bounds, which mode="drop" skips
+    pi = jnp.where(positions < cache.lengths[:, None], cache.max_len, positions)[None]
     return cache.replace(k=cache.k.at[li, bi, pi].set(k.astype(cache.k.dtype), mode="drop"),
                          v=cache.v.at[li, bi, pi].set(v.astype(cache.v.dtype), mode="drop"))
 
@@ -134,6 +140,10 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     exit index [B, G], cache).
     """
     n, G, S = spec.num_levels, spec.gamma, work.shape[1]
+    # K/V held for the tokens now in `work`: at most up to start - 1 (that token is new:
+    # the verifier's correction or bonus); less if the last call's drafts were not all fed.
+    cache = cache.with_lengths(jnp.where(rows, jnp.minimum(cache.lengths, start - 1),
+                                         cache.lengths))
     step = functools.partial(draft_token, params, cfg, sp=dp.sampling,
                              thresholds=dp.thresholds, exits=spec.exits,
                              conf_kind=spec.confidence, kv_fill=spec.kv_fill)
@@ -169,4 +179,8 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
     exit_idx = jnp.concatenate([e0[:, None], es.T], axis=1)
     count = 1 + jnp.sum(act.T, axis=1).astype(jnp.int32)
+    # The cache now holds K/V for the window and for the drafted tokens fed back (all but
+    # the last): positions < start - 1 + count; the next call lowers it to what the
+    # verifier accepted.
+    cache = cache.with_lengths(jnp.where(rows, start - 1 + count, cache.lengths))
     return tokens, q, count, exit_idx, cache

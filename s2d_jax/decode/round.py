@@ -231,7 +231,12 @@ def commit(state: GenState, ctx: RoundCtx, verdict: Verdict, dp: DecodeParams,
     tokens = jnp.where(jnp.arange(S)[None, :] < length[:, None], work, 0)
     hit_eos = jnp.any(is_eos & (j < count[:, None]), axis=1)
     done = check_done(length, state.prompt_len, state.done | hit_eos, dp, spec)
-    caches = [None if c is None else c.with_lengths(length - 1) for c in ctx.caches]
+    # Every cache holds the K/V of the accepted tokens but the newest. The draft's may hold
+    # less: draft_block set its lengths to what it fed, which misses the last drafted
+    # token of a fully accepted block (a later CALM fill writes from there).
+    caches = [None if c is None else c.with_lengths(
+        jnp.minimum(c.lengths, length - 1) if level == 0 else length - 1)
+        for level, c in enumerate(ctx.caches)]
     return state.with_caches(caches).replace(
         tokens=tokens, length=length, done=done, round=state.round + 1,
         stats=ctx.stats.add_round(active, count))
