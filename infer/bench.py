@@ -37,9 +37,11 @@ in report.md; `python -m infer.insertion --report OUT/report.json` prints the in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 
 from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
@@ -138,6 +140,23 @@ def _check_chains(args, targets, temps, kinds) -> dict:
     if 0.0 not in temps:
         raise S2DError("--chain checks greedy exactness; include 0 in --temperatures")
     return chains
+
+
+@contextlib.contextmanager
+def hf_draft_dir(draft: str | None, target: str):
+    """The draft as a dir transformers loads: a draft pack is completed with the target's
+    shared weights into a temporary HF dir (removed afterwards)."""
+    from s2d_jax.io.checkpoint import has_tokenizer
+    from s2d_jax.io.draft_pack import is_draft_pack, unpack_draft
+
+    if draft is None or not os.path.isdir(draft) or not is_draft_pack(draft):
+        yield draft
+        return
+    with tempfile.TemporaryDirectory(prefix="s2d-hf-draft-") as tmp:
+        out = os.path.join(tmp, "draft")
+        unpack_draft(draft, target, out, tokenizer_dir=target if os.path.isdir(target) and
+                     has_tokenizer(target) else None)
+        yield out
 
 
 def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log,
@@ -260,8 +279,10 @@ def main(argv=None):
     prompts = turns.first_prompts
     draft = None
     if args.draft:
-        from s2d_jax.io.checkpoint import load_model
-        d_cfg, d_params, extra = load_model(args.draft, dtype=args.dtype)
+        from s2d_jax.io.draft_pack import load_draft
+        # a draft pack takes its shared weights from the (first) target it was made for
+        d_cfg, d_params, extra = load_draft(args.draft, next(iter(targets.values())),
+                                            dtype=args.dtype)
         draft = (d_cfg, d_params, draft_exits(extra, d_cfg))
     report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
     report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds,
@@ -279,10 +300,11 @@ def main(argv=None):
             from s2d_jax.bench.hf_baseline import hf_baselines
             log(f"[{name}] HF transformers generate (plain, assisted)")
             ar = runs["runs"].get(0.0, {}).get("ar")  # its turns' prompts: AR's conversation
-            tgt["hf_baseline"] = hf_baselines(
-                path, args.draft, [r["prompt"] for r in ar] if ar else prompts,
-                max_new_tokens=args.max_new_tokens, eos_id=turns.eos_id,
-                ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+            with hf_draft_dir(args.draft, path) as hf_draft:
+                tgt["hf_baseline"] = hf_baselines(
+                    path, hf_draft, [r["prompt"] for r in ar] if ar else prompts,
+                    max_new_tokens=args.max_new_tokens, eos_id=turns.eos_id,
+                    ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
         # Drop this target's executables: each holds JIT code pages, and a few hundred of
         # them (3 targets x methods x temperatures x cost probes) exhaust LLVM's section
         # memory ("Unable to allocate section memory") in one process.

@@ -5,6 +5,12 @@
     python -m infer.convert hf-to-hf    --src HF_DIR --out HF_DIR --num-layers N [--dtype D]
     python -m infer.convert gguf-to-hf  --src FILE.gguf --out HF_DIR [--dtype bfloat16]
     python -m infer.convert gguf-to-orbax --src FILE.gguf --out CKPT [--dtype bfloat16]
+    python -m infer.convert pack-draft  --src DRAFT --target TARGET --out PACK [--weights int8]
+    python -m infer.convert unpack-draft --src PACK --target TARGET --out HF_DIR
+
+A draft pack (s2d_jax/io/draft_pack.py) stores a draft made of its target's first layers
+without the embedding and head it shares with the target; unpack-draft completes it into an
+HF dir (e.g. for transformers' assisted generation).
 
 GGUF (llama.cpp) weights are dequantized to float32 (then cast to --dtype) and the tokenizer
 and chat template are taken from the GGUF metadata unless --tokenizer is given.
@@ -72,6 +78,19 @@ def _parser() -> argparse.ArgumentParser:
         common(sp, "GGUF file", f"output {what}")
         if target == "hf":
             shards(sp)
+    for name, what in (("pack-draft", "draft model (HF dir / checkpoint) -> draft pack"),
+                       ("unpack-draft", "draft pack -> complete HF model dir")):
+        sp = sub.add_parser(name, help=what, description=what + "; --target is the model "
+                            "whose embedding (and head) the draft shares.")
+        sp.add_argument("--src", required=True, help="the draft")
+        sp.add_argument("--target", required=True, help="its target (dir or .gguf)")
+        sp.add_argument("--out", required=True, help="output directory")
+        sp.add_argument("--overwrite", action="store_true",
+                        help="replace --out if it exists (only once the new output is complete)")
+        if name == "pack-draft":
+            sp.add_argument("--weights", choices=("int8", "bfloat16"), default="int8",
+                            help="storage of the draft's layer matrices (default int8, one "
+                                 "scale per output channel)")
     return p
 
 
@@ -84,17 +103,20 @@ def main(argv=None) -> int:
     if not from_gguf and not os.path.isdir(args.src):
         raise S2DError(f"--src {args.src} is not a directory; pass the model directory to "
                        f"convert")
+    if args.command.endswith("pack-draft") and not os.path.exists(args.target):
+        raise S2DError(f"--target {args.target} does not exist; pass the draft's target "
+                       f"(model dir or .gguf file)")
     if os.path.lexists(args.out) and not args.overwrite:
         raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
     check_output_path(args.out, is_dir=True)
     if os.path.abspath(args.out) == os.path.abspath(args.src):
         raise S2DError("--out is the same directory as --src; choose another output path")
-    tokenizer_dir = args.tokenizer
+    tokenizer_dir = getattr(args, "tokenizer", None)
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
     if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):
         tokenizer_dir = args.src  # carry the source's tokenizer along
-    if args.num_layers is not None and args.num_layers < 1:
+    if getattr(args, "num_layers", None) is not None and args.num_layers < 1:
         raise S2DError(f"--num-layers must be >= 1, got {args.num_layers}")
     if getattr(args, "max_shard_gb", 1.0) <= 0:
         raise S2DError("--max-shard-gb must be > 0")
@@ -109,6 +131,8 @@ def main(argv=None) -> int:
 
 
 def _convert(args, tokenizer_dir):
+    if args.command.endswith("pack-draft"):
+        return _convert_pack(args)
     if args.command.startswith("gguf-"):
         return _convert_gguf(args, tokenizer_dir)
     if args.command == "hf-to-orbax":
@@ -122,6 +146,23 @@ def _convert(args, tokenizer_dir):
             cfg, params, extra = load_hf(args.src, args.num_layers, args.dtype, host=True)
         export_hf(params, cfg, args.out, extra, tokenizer_dir=tokenizer_dir,
                   max_shard_bytes=int(args.max_shard_gb * 2**30), overwrite=args.overwrite)
+    return cfg
+
+
+def _convert_pack(args):
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.draft_pack import load_draft, save_draft_pack, unpack_draft
+
+    if args.command == "unpack-draft":
+        tok = args.target if os.path.isdir(args.target) and has_tokenizer(args.target) else None
+        unpack_draft(args.src, args.target, args.out, tokenizer_dir=tok,
+                     overwrite=args.overwrite)
+        return load_draft(args.out, None)[0]
+    cfg, params, extra = load_model(args.src, dtype="float32")
+    target = load_model(args.target, num_layers=1, dtype="float32")[1]
+    save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
+                    target_name=os.path.basename(os.path.normpath(args.target)),
+                    weights=args.weights, overwrite=args.overwrite)
     return cfg
 
 

@@ -116,8 +116,11 @@ def build_engine(args, targets: dict[str, str]):
     if args.method in ("sd", "s2d"):
         if args.draft is None:
             raise S2DError(f"method {args.method} needs --draft")
-        draft_cfg, draft_params, extra = load_model(args.draft, dtype=args.dtype,
-                                                    shardings=shardings("draft"))
+        from s2d_jax.io.draft_pack import load_draft
+        # a draft pack takes its shared weights from the (first) target it was made for
+        draft_cfg, draft_params, extra = load_draft(
+            args.draft, next(iter(specs.values())).params, dtype=args.dtype,
+            shardings=shardings("draft"))
         draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
         if args.gamma is not None:
             check_gamma(args.gamma, draft_cfg.max_position_embeddings, "the draft")

@@ -70,7 +70,8 @@ def generate(prompt: str, target: str, draft: str | None = None, *, method: str 
     if method in ("sd", "s2d"):
         if draft is None:
             raise S2DError(f"method {method} needs a draft model; pass draft=PATH")
-        draft_cfg, draft_params, extra = load_model(draft, dtype=dtype)
+        from s2d_jax.io.draft_pack import load_draft
+        draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
         if method == "sd":
             exits = [exit or draft_cfg.num_layers]

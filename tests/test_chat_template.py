@@ -207,7 +207,7 @@ def test_bench_runs_both_turns_and_writes_them(chatml, tmp_path, capsys):
             # every turn is counted: tokens and seconds of the three turns
             assert m["new_tokens"] == sum(two["new_tokens"]) + sum(one["new_tokens"])
             assert m["seconds"] == pytest.approx(sum(two["wall_time"]) + sum(one["wall_time"]))
-            assert m["per_category"]["writing"]["prompts"] == 2
+            assert m["per_category"]["mt_bench"]["prompts"] == 2
         if t == "0":  # greedy: the second turn, asked after the same answer, is AR's too
             assert answers["s2d-0.5"][0]["choices"][0]["turns"] == \
                 answers["ar"][0]["choices"][0]["turns"]

@@ -69,7 +69,8 @@ def is_params_checkpoint(path: str) -> bool:
 
 
 def checkpoint_kind(path: str) -> str:
-    """'gguf' (a .gguf file), 'params' (orbax params checkpoint) or 'hf' (HF model dir);
+    """'gguf' (a .gguf file), 'params' (orbax params checkpoint), 'draft-pack' (a draft
+    without its target's shared weights, `io.draft_pack`) or 'hf' (HF model dir);
     S2DError for anything else. The one place that tells the model formats apart."""
     if str(path).lower().endswith(".gguf"):
         return "gguf"
@@ -79,6 +80,8 @@ def checkpoint_kind(path: str) -> str:
                        f".gguf file")
     if is_params_checkpoint(path):
         return "params"
+    if os.path.isfile(os.path.join(path, "s2d_draft_pack.json")):  # io.draft_pack
+        return "draft-pack"
     if os.path.isfile(os.path.join(path, "config.json")):
         return "hf"
     raise S2DError(f"{path} holds neither {SIDECAR} (params checkpoint) nor config.json "
@@ -188,6 +191,10 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
         return gguf.load_gguf(path, num_layers, dtype, shardings)
     if kind == "params":
         return restore_params(path, num_layers, dtype, shardings)
+    if kind == "draft-pack":
+        raise S2DError(f"{path} is a draft pack: it lacks the weights it shares with its "
+                       f"target; pass it as --draft next to its target (load_draft), or "
+                       f"make a full model with python -m infer.convert unpack-draft")
     return hf.load_hf(path, num_layers, dtype, shardings)
 
 
@@ -200,4 +207,7 @@ def stored_model_config(path: str) -> ModelConfig:
         return gguf.read_gguf_config(path)
     if kind == "params":
         return read_params_config(path)[0]
+    if kind == "draft-pack":
+        from s2d_jax.io.draft_pack import read_pack_config
+        return read_pack_config(path)[0]
     return read_hf_config(path)
