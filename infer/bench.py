@@ -12,6 +12,10 @@ compilation is excluded from tokens/s. Writes to --out: report.json, report.md (
 printed), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench format) and, with
 matplotlib (pip install -e '.[bench]'), speedup.png. --hf-baseline also times HF
 transformers generate (plain, assisted), greedy (needs torch: the same extra).
+--step-breakdown times, per target after the warm-up, the parts of a draft step (each
+exit's segment, the head, a confidence, the token draw, the CALM K/V fill, and the whole
+step: the rest is control flow) against the target's decode step
+(s2d_jax/bench/step_costs.py; report.json targets.NAME.draft_step_breakdown, report.md).
 
 Prompts are rendered with --chat-template (auto: the target tokenizer's own template, else
 none). Questions with several turns (MT-bench) run as Spec-Bench runs them: each later turn
@@ -74,6 +78,10 @@ def parse_args(argv):
     ap.add_argument("--mu", type=int, default=None,
                     help="the chains' accumulation length (default: gamma)")
     ap.add_argument("--quant-group", type=int, default=64, help="int4 group size (rows)")
+    ap.add_argument("--step-breakdown", action="store_true",
+                    help="per target, time the parts of a draft step (each exit's segment, "
+                    "the head, the confidence, the CALM fill, the control flow) against "
+                    "the target's decode step, once after the warm-up")
     ap.add_argument("--out", default="runs/bench")
     return ap.parse_args(argv)
 
@@ -103,6 +111,8 @@ def _check_args(args):
                        f"{', '.join(METHOD_KINDS)}")
     if args.draft is None and any(k in ("sd", "s2d", "s2d-cal") for k in kinds):
         raise S2DError("methods sd / s2d / s2d-cal need --draft")
+    if args.step_breakdown and args.draft is None:
+        raise S2DError("--step-breakdown times the draft's step; pass --draft")
     if args.hf_baseline:
         from s2d_jax.bench.hf_baseline import require_torch
         require_torch()
@@ -234,11 +244,23 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
         bench.sample_probes(probes)
         if chain_probes is not None:
             chain_probes.sample()
+
+    breakdown = {}
+
+    def after_warmup():
+        if args.step_breakdown and draft_cfg is not None:
+            from s2d_jax.bench.step_costs import draft_step_breakdown, format_breakdown
+            log(f"[{name}] timing the parts of a draft step (--step-breakdown)")
+            breakdown.update(draft_step_breakdown(
+                draft_cfg, draft_params, exits, target_cfg=cfg, target_params=params,
+                max_len=max_len, steps=min(32, max_len - 1), temperature=float(temps[0])))
+            log("\n".join([f"[{name}]"] + format_breakdown(breakdown)))
     runs = bench.run_target(decoders, prompts, temperatures=temps,
                             max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
                             repeats=args.repeats,
                             progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
-                            between=between, next_turn=turns.next_prompt(width))
+                            between=between, next_turn=turns.next_prompt(width),
+                            after_warmup=after_warmup)
     costs = bench.measure_costs(probes)
     cats = [questions[i]["task"] for i, _ in runs["items"]]  # Spec-Bench's tasks
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
@@ -246,6 +268,8 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
            "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
            "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],
            "results": results, "items": [list(x) for x in runs["items"]]}
+    if breakdown:
+        out["draft_step_breakdown"] = breakdown
     if chains:
         out["chains"] = bench_chain.bench_chains(
             list(chains), mids, decoders, baseline, runs["runs"], results, chain_probes,

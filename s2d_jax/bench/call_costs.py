@@ -127,9 +127,11 @@ def verify_probe(params, cfg, *, window: int, block: int, start: int, max_len: i
 
 def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,
                       temperature: float = 0.0, conf_kind: str = "max_prob",
-                      kv_fill: str = "calm", calls: int = CALLS) -> list[CallProbe]:
+                      kv_fill: str = "calm", calls: int = CALLS,
+                      batch: int = 1) -> list[CallProbe]:
     """One probe per exit j: a draft step of the sorted draft with `exits` forced to stop
-    at exit j (thresholds are traced: one compilation serves every exit)."""
+    at exit j (thresholds are traced: one compilation serves every exit), for `batch`
+    rows."""
     exits = tuple(int(e) for e in exits)
     cfg = dataclasses.replace(cfg, num_layers=exits[-1])  # the engine's draft cache
     start = max(0, min(start, max_len - calls - 1))
@@ -138,8 +140,8 @@ def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,
     probes = []
     for j in range(len(exits)):
         th = jnp.asarray(forced_exit_thresholds(len(exits), j), jnp.float32)
-        args = (params, init_cache(cfg, 1, max_len), jnp.ones((1,), jnp.int32),
-                jnp.full((1, 1), start, jnp.int32), jax.random.key(0),
+        args = (params, init_cache(cfg, batch, max_len), jnp.ones((batch,), jnp.int32),
+                jnp.full((batch, 1), start, jnp.int32), jax.random.key(0),
                 SamplingParams.make(temperature), th)
         probes.append(CallProbe(loop, args, calls))
     return probes

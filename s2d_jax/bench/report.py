@@ -35,6 +35,7 @@ def markdown_table(report: dict) -> str:
                                  f"| - | - | - | - | {_fmt(h.get('exact_match_vs_ar'))} | - |")
     out = "\n".join(lines) + "\n"
     out += chain_tables(report)
+    out += step_breakdown_tables(report)
     if report.get("acceptance"):
         out += "\nAcceptance checks (greedy):\n\n" + "\n".join(
             f"- {'PASS' if c['pass'] else 'FAIL'}: {c['check']} ({c['value']})"
@@ -46,6 +47,18 @@ def markdown_table(report: dict) -> str:
 
 def _ms(x):
     return _fmt(None if x is None else 1e3 * x, 3)
+
+
+def step_breakdown_tables(report: dict) -> str:
+    """Markdown for each target's draft step breakdown (infer.bench --step-breakdown)."""
+    from s2d_jax.bench.step_costs import format_breakdown
+
+    lines = []
+    for name, tgt in report["targets"].items():
+        if tgt.get("draft_step_breakdown"):
+            lines += ["", f"Target {name}, its draft's step in parts:", ""]
+            lines += format_breakdown(tgt["draft_step_breakdown"])
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def chain_tables(report: dict) -> str:

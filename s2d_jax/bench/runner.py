@@ -155,10 +155,12 @@ class Conversations:
 def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequence[float],
                max_new_tokens: int, max_len: int, eos_id: int, repeats: int = 1,
                progress: Callable | None = None, between: Callable | None = None,
-               next_turn: Callable | None = None) -> dict:
+               next_turn: Callable | None = None,
+               after_warmup: Callable | None = None) -> dict:
     """-> {"runs": {temperature: {label: [per-turn result]}}, "items": [(question, turn)],
     "compile_seconds": {label: s}}. `between()` runs after each prompt's runs (the cost
-    probes' samples, cost_probes).
+    probes' samples, cost_probes); `after_warmup()` once after the warm-up, before the
+    timed runs.
 
     `prompts` are the questions' first turns. A multi-turn question continues as Spec-Bench
     runs MT-bench: `next_turn(i, answers)` gets question i and the method's own answers so
@@ -179,6 +181,8 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     for label in labels:  # warm-up: compiles, and first-run effects stay out of the timings
         out = decoders[label].generate([prompts[0]], temperature=float(temperatures[0]), **kw)
         compile_s[label] = out[0]["stats"]["compile_seconds"]
+    if after_warmup is not None:
+        after_warmup()
     n = len(prompts)
     secs, outs = {}, {}
     it = range(n * repeats) if progress is None else progress(range(n * repeats))
