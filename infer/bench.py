@@ -264,6 +264,12 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     costs = bench.measure_costs(probes)
     cats = [questions[i]["task"] for i, _ in runs["items"]]  # Spec-Bench's tasks
     results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
+    from s2d_jax.bench.math_answers import math_accuracy
+    for t, per_method in runs["runs"].items():  # GSM8K final answers, where references exist
+        for label, rows in per_method.items():
+            acc = math_accuracy(questions, runs["items"], rows, tok.decode)
+            if acc is not None:
+                results[str(t)][label]["math_accuracy"] = acc
     out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
            "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
            "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],

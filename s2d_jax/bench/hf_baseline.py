@@ -60,6 +60,33 @@ def hf_generate(target_dir: str, prompts: list[list[int]], *, max_new_tokens: in
             "seconds": seconds, "token_ids": ids_all}
 
 
+FIRST_TOKENS = 64  # the prefix on which our AR and HF generate greedy must agree
+
+
+def first_token_agreement(lm, prompts, hf_ids, ar_ids, n: int) -> dict:
+    """Our AR vs HF greedy over the first `n` new tokens: the fraction of prompts that agree,
+    and for each that does not, where they part and HF's own logit gap there (its logit
+    of its token minus its logit of ours: a near-tie is a float-rounding divergence)."""
+    import torch
+
+    diverged = []
+    for k, (p, h, a) in enumerate(zip(prompts, hf_ids, ar_ids)):
+        h, a = h[:n], a[:n]
+        if h == a:
+            continue
+        pos = next((i for i, (x, y) in enumerate(zip(h, a)) if x != y), min(len(h), len(a)))
+        gap = None
+        if pos < min(len(h), len(a)):
+            with torch.no_grad():
+                logits = lm(torch.tensor([list(p) + h[:pos]])).logits[0, -1]
+            gap = float(logits[h[pos]] - logits[a[pos]])
+        diverged.append({"prompt": k, "position": pos, "hf_token": h[pos] if pos < len(h)
+                         else None, "ar_token": a[pos] if pos < len(a) else None,
+                         "hf_logit_gap": gap})
+    return {"tokens": n, "agree": 1 - len(diverged) / max(len(prompts), 1),
+            "diverged": diverged}
+
+
 def hf_baselines(target_dir: str, draft_dir: str | None, prompts: list[list[int]], *,
                  max_new_tokens: int, eos_id: int | None, ar_token_ids: list[list[int]] | None
                  ) -> dict:
@@ -70,6 +97,9 @@ def hf_baselines(target_dir: str, draft_dir: str | None, prompts: list[list[int]
     if draft_dir is not None:
         out["assisted"] = hf_generate(target_dir, prompts, max_new_tokens=max_new_tokens,
                                       eos_id=eos_id, lm=lm, assistant=_load(draft_dir))
+    if ar_token_ids is not None:
+        out["plain"]["first_tokens_vs_ar"] = first_token_agreement(
+            lm, prompts, out["plain"]["token_ids"], ar_token_ids, FIRST_TOKENS)
     for res in out.values():
         if ar_token_ids is not None:
             res["exact_match_vs_ar"] = sum(

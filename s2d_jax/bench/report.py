@@ -35,6 +35,7 @@ def markdown_table(report: dict) -> str:
                                  f"| - | - | - | - | {_fmt(h.get('exact_match_vs_ar'))} | - |")
     out = "\n".join(lines) + "\n"
     out += chain_tables(report)
+    out += task_tables(report)
     out += step_breakdown_tables(report)
     if report.get("acceptance"):
         out += "\nAcceptance checks (greedy):\n\n" + "\n".join(
@@ -47,6 +48,35 @@ def markdown_table(report: dict) -> str:
 
 def _ms(x):
     return _fmt(None if x is None else 1e3 * x, 3)
+
+
+def task_tables(report: dict) -> str:
+    """Per Spec-Bench task: speedup / MAT of every method; math_reasoning accuracy; our AR
+    vs HF generate over the first tokens."""
+    out = ""
+    for name, tgt in report["targets"].items():
+        for temp, methods in tgt["results"].items():
+            tasks = list(next(iter(methods.values()))["per_category"]) if methods else []
+            if not tasks:
+                continue
+            out += (f"\n{name}, T = {temp}: speedup vs AR / mean accepted tokens per task\n\n"
+                    f"| method | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks) + "\n")
+            for label, m in methods.items():
+                cells = [f"{_fmt(c['speedup_vs_ar'], 2, 'x')} / {_fmt(c['mean_accepted_tokens'])}"
+                         for c in (m["per_category"][t] for t in tasks)]
+                out += f"| {label} | " + " | ".join(cells) + " |\n"
+            acc = {label: m["math_accuracy"] for label, m in methods.items()
+                   if m.get("math_accuracy")}
+            if acc:
+                out += "\nmath_reasoning final-answer accuracy: " + ", ".join(
+                    f"{label} {a['correct']}/{a['total']}" for label, a in acc.items()) + "\n"
+        first = (tgt.get("hf_baseline") or {}).get("plain", {}).get("first_tokens_vs_ar")
+        if first:
+            out += (f"\n{name}: our AR = HF generate greedy over the first {first['tokens']} "
+                    f"tokens on {first['agree']:.0%} of prompts" + "".join(
+                        f"; prompt {d['prompt']} parts at token {d['position']} (HF logit gap "
+                        f"{_fmt(d['hf_logit_gap'], 4)})" for d in first["diverged"]) + "\n")
+    return out
 
 
 def step_breakdown_tables(report: dict) -> str:

@@ -119,7 +119,8 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
                            f"MT-bench format)")
         out.append({"question_id": row.get("question_id", n), "category":
                     row.get("category"), "task": task_of(row.get("category")),
-                    "target": row.get("target"), "text": text, "turns": list(row["turns"])})
+                    "target": row.get("target"), "text": text, "turns": list(row["turns"]),
+                    "reference": row.get("reference")})
     if categories:
         known = sorted({str(q["category"]) for q in out} | {q["task"] for q in out})
         missing = [c for c in categories if c not in known]
