@@ -67,6 +67,10 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes over all prompts and methods; per prompt and method "
                     "the median (a slow spell of the machine hits one pass)")
+    ap.add_argument("--cost-every", type=int, default=1, metavar="K",
+                    help="sample the in-loop round-cost probes after every K-th prompt "
+                    "(default 1; a probe of a 4-exit draft runs 4 x 48 rounds, so on a real "
+                    "model K > 1 keeps a long run short)")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
                     help="auto: the tokenizer's own template, else none (default auto)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -100,7 +104,7 @@ def _check_args(args):
     if not temps or any(t < 0 for t in temps):
         raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--gamma", args.gamma),
-                    ("--repeats", args.repeats)):
+                    ("--repeats", args.repeats), ("--cost-every", args.cost_every)):
         if v < 1:
             raise S2DError(f"{flag} must be >= 1, got {v}")
     kinds = [k.strip() for k in args.methods.split(",") if k.strip()]
@@ -231,7 +235,9 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
         f"(compiling {len(decoders)} generations first)")
     eos = turns.eos_id
-    log(f"[{name}] compiling the in-loop cost probes (sampled after every prompt)")
+    every = args.cost_every
+    log(f"[{name}] compiling the in-loop cost probes (sampled after "
+        f"{'every prompt' if every == 1 else f'every {every}th prompt'})")
     probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
                                max_len=max_len)
     chain_probes = None
@@ -240,7 +246,12 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
             list(chains), mids, baseline, cfg, params, draft_cfg, draft_params,
             temperatures=temps, start=width, max_len=max_len)
 
+    done = [0]
+
     def between():
+        done[0] += 1
+        if (done[0] - 1) % every:  # the first prompt always samples: costs exist
+            return
         bench.sample_probes(probes)
         if chain_probes is not None:
             chain_probes.sample()

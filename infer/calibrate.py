@@ -51,6 +51,9 @@ def parse_args(argv):
                     help="timed passes over the prompts and candidates (per prompt the "
                     "median): candidates often differ by a few percent, about the noise of "
                     "one run here, and the median drops a pass caught in a slow spell")
+    ap.add_argument("--cost-samples", type=int, default=COST_SAMPLES,
+                    help=f"timed samples of every setting's round-cost probe before ranking "
+                    f"(default {COST_SAMPLES}; each runs 48 rounds per exit)")
     ap.add_argument("--stops", default="0.2,0.3,0.4,0.5",
                     help="draft stop thresholds tried on the chosen setting (dynamic draft "
                     "length: stop drafting after a token less confident than this); '' = off")
@@ -67,9 +70,10 @@ def _validate(args) -> tuple[list[int], list[float]]:
     gammas = sorted(set(_ints(args.gammas)))
     if not gammas or min(gammas) < 1:
         raise S2DError(f"--gammas must be positive integers, got {args.gammas}")
-    if args.max_new_tokens < 2 or min(args.check, args.repeats, args.finalists) < 1:
-        raise S2DError("--max-new-tokens must be >= 2, --check, --repeats and --finalists "
-                       ">= 1")
+    if args.max_new_tokens < 2 or min(args.check, args.repeats, args.finalists,
+                                       args.cost_samples) < 1:
+        raise S2DError("--max-new-tokens must be >= 2, --check, --repeats, --finalists and "
+                       "--cost-samples >= 1")
     if args.min_gain < 0:
         raise S2DError(f"--min-gain must be >= 0, got {args.min_gain}")
     try:
@@ -189,12 +193,25 @@ class Calibration:
             f"subset x gamma settings")
         self.probes = {"ar": self.probe(ar["ar"])}
         self.probes.update({key: self.probe(dec) for key, dec in self.build(specs).items()})
-        for _ in range(COST_SAMPLES):
+        for _ in range(self.args.cost_samples):
             for p in self.probes.values():
                 p.sample()
         self.costs = {"ar": self.probes["ar"].result(),
                       "settings": {key: p.result() for key, p in self.probes.items()
                                    if key != "ar"}}
+
+    def keep_probes(self, settings) -> None:
+        """Free the compiled probes of settings no longer measured: each holds JIT code
+        pages, and 60 probes plus the measured decoders exhausted LLVM's section memory
+        ("Unable to allocate section memory") in one process. Their costs stay."""
+        import gc
+
+        import jax
+        from s2d_jax.bench import calibrate
+        keep = {"ar"} | {calibrate.setting_key(e, g) for e, g in settings}
+        self.probes = {k: p for k, p in self.probes.items() if k in keep}
+        jax.clear_caches()
+        gc.collect()
 
     def probe(self, decoder):
         from s2d_jax.bench.loop_costs import LoopProbe
@@ -206,7 +223,7 @@ class Calibration:
         from s2d_jax.bench import calibrate
         key = calibrate.setting_key(exits, gamma)
         self.probes[key] = self.probe(decoder)
-        for _ in range(COST_SAMPLES):
+        for _ in range(self.args.cost_samples):
             self.probes[key].sample()
         self.costs["settings"][key] = self.probes[key].result()
 
@@ -255,6 +272,7 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
     """(best, 0.5/.../0 row, decoders): every candidate measured, the --finalists fastest
     measured again, the choice made on the second run (calibrate.pick_setting)."""
     from s2d_jax.bench import calibrate
+    cal.keep_probes([(c.exits, c.gamma) for c in candidates.values()])
     decs = cal.build([cal.ar_spec] + list(candidates.values()))
     measured = cal.measure(decs, [(c.exits, c.gamma) for c in candidates.values()])
     rows = []

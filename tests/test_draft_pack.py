@@ -88,11 +88,13 @@ def test_convert_pack_and_unpack_and_bench_with_a_pack_is_lossless(family, tmp_p
     assert bench_cli.main(["--targets", f"t={family / 'target'}", "--draft", str(pack),
                            "--questions", str(family / "q.jsonl"), "--max-prompts", "2",
                            "--methods", "ar,sd,s2d", "--temperatures", "0",
-                           "--max-new-tokens", "8", "--gamma", "2", "--out", str(out)]) == 0
+                           "--max-new-tokens", "8", "--gamma", "2", "--cost-every", "2",
+                           "--out", str(out)]) == 0
     res = json.loads((out / "report.json").read_text())["targets"]["t"]["results"]["0.0"]
     assert {k for k in res} >= {"ar", "s2d-0.5"} and len(res) >= 3
     for label, m in res.items():
         assert m["exact_match_vs_ar"] == 1.0, label
+        assert m["predicted_speedup"] > 0, label  # costs sampled once (--cost-every 2)
 
 
 def test_hf_draft_dir_unpacks_a_pack_for_transformers(family, tmp_path):

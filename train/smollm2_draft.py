@@ -118,6 +118,7 @@ def pack(args, draft_hf: str, log) -> None:
     _, target, _ = load_model(args.target, dtype="float32")
     cfg, params, extra = load_model(draft_hf, dtype="float32")
     save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
+                    target_name=os.path.basename(os.path.normpath(args.target)),
                     weights="int8", overwrite=args.overwrite)
     log(f"[pack] wrote {args.out}")
 
@@ -125,8 +126,15 @@ def pack(args, draft_hf: str, log) -> None:
 def calibrate(args, log) -> None:
     from infer import calibrate as calibrate_cli
     calibrate_cli.main(["--target", f"smollm2={args.target}", "--draft", args.out,
-                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "16",
-                        "--max-new-tokens", "96", "--gammas", "3,4,5", "--repeats", "1"])
+                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "12",
+                        "--max-new-tokens", "64", "--gammas", "1,2,3", "--repeats", "1",
+                        "--cost-samples", "2", "--stops", ""])
+    # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
+    from s2d_jax.decode.serving_config import SERVING_CONFIG
+    from s2d_jax.io.atomic import write_atomic
+    with open(os.path.join(args.target, SERVING_CONFIG)) as f:
+        write_atomic(os.path.join(args.out, SERVING_CONFIG), f.read())
+    log(f"[calibrate] {args.out}/{SERVING_CONFIG}")
 
 
 @cli_main
