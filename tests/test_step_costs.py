@@ -49,16 +49,19 @@ def test_breakdown_has_every_item_for_every_exit(exits, head_ids):
     # the full head is timed for comparison only beside a sub-vocabulary head
     assert ("full_head" in shared) == (head_ids is not None)
     assert set(shared) | {"full_head"} == set(SHARED_ITEMS)
+    # Items are differences of medians (a loop of calls minus an empty loop): on these
+    # tiny models a few microseconds, which a loaded machine's noise can push below 0
+    # (seen in CI beside a benchmark), so only the whole step and the target step must be > 0.
     for n in shared:
-        assert d[f"{n}_s"] > 0 and d[f"{n}_x"] == pytest.approx(d[f"{n}_s"] / unit)
+        assert np.isfinite(d[f"{n}_s"]) and d[f"{n}_x"] == pytest.approx(d[f"{n}_s"] / unit)
     assert [e["exit"] for e in d["exits"]] == list(exits)
     bounds = (0,) + exits
     for i, e in enumerate(d["exits"]):
         assert e["layers"] == [bounds[i], bounds[i + 1]]
         assert e["fill_layers"] == [exits[i], exits[-1]]
-        assert e["segment_s"] > 0 and e["step_s"] > 0
+        assert np.isfinite(e["segment_s"]) and e["step_s"] > 0
         # the last exit skips nothing: no fill; every other exit fills the layers after it
-        assert (e["fill_s"] > 0) if i < len(exits) - 1 else (e["fill_s"] == 0.0)
+        assert np.isfinite(e["fill_s"]) if i < len(exits) - 1 else (e["fill_s"] == 0.0)
         parts = (sum(x["segment_s"] for x in d["exits"][:i + 1])
                  + (i + 1) * (d["head_s"] + d["confidence_s"]) + e["fill_s"] + d["draw_s"])
         assert e["parts_s"] == pytest.approx(parts)
