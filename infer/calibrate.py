@@ -54,6 +54,12 @@ def parse_args(argv):
     ap.add_argument("--cost-samples", type=int, default=COST_SAMPLES,
                     help=f"timed samples of every setting's round-cost probe before ranking "
                     f"(default {COST_SAMPLES}; each runs 48 rounds per exit)")
+    ap.add_argument("--probe-rounds", type=int, default=48,
+                    help="rounds per timing of a round-cost probe (default 48; on a target "
+                    "whose step takes ~0.1 s, 12 keep a timing near a second)")
+    ap.add_argument("--cost-every", type=int, default=1,
+                    help="re-time the measured settings' round-cost probes after every K-th "
+                    "prompt (default 1; each sample runs --probe-rounds rounds per exit)")
     ap.add_argument("--stops", default="0.2,0.3,0.4,0.5",
                     help="draft stop thresholds tried on the chosen setting (dynamic draft "
                     "length: stop drafting after a token less confident than this); '' = off")
@@ -71,9 +77,11 @@ def _validate(args) -> tuple[list[int], list[float]]:
     if not gammas or min(gammas) < 1:
         raise S2DError(f"--gammas must be positive integers, got {args.gammas}")
     if args.max_new_tokens < 2 or min(args.check, args.repeats, args.finalists,
-                                       args.cost_samples) < 1:
-        raise S2DError("--max-new-tokens must be >= 2, --check, --repeats, --finalists and "
-                       "--cost-samples >= 1")
+                                       args.cost_samples, args.cost_every) < 1:
+        raise S2DError("--max-new-tokens must be >= 2, --check, --repeats, --finalists, "
+                       "--cost-samples and --cost-every >= 1")
+    if args.probe_rounds < 2:
+        raise S2DError(f"--probe-rounds must be >= 2, got {args.probe_rounds}")
     if args.min_gain < 0:
         raise S2DError(f"--min-gain must be >= 0, got {args.min_gain}")
     try:
@@ -151,18 +159,28 @@ class Calibration:
                                 between=between)["runs"][0.0]
 
     def measure(self, decoders, probe_settings=()) -> dict:
-        """label -> speedup vs AR (decoders["ar"], same run), exactness and MAT.
+        """label -> speedup vs AR (decoders["ar"], same run), exactness, MAT and the
+        run's prefill seconds.
 
         probe_settings: (exits, gamma) of the settings measured; their round-cost probes
-        and AR's are timed afresh between the prompts (so costs and runs see the same
-        machine, as in the benchmark) and replace those settings' costs."""
+        and AR's are timed afresh after every --cost-every-th prompt (so costs and runs see
+        the same machine, as in the benchmark) and replace those settings' costs."""
         from s2d_jax.bench import calibrate
         from s2d_jax.bench import runner as bench
         keys = list(dict.fromkeys(calibrate.setting_key(e, g) for e, g in probe_settings))
+        self.ensure_probes(keys)
         probes = [self.probes[k] for k in ["ar"] + keys] if keys else []
         for p in probes:
             p.reset()
-        per = self.run(decoders, between=lambda: [p.sample() for p in probes])
+        done = []
+
+        def between():
+            done.append(1)
+            if probes and (len(done) % self.args.cost_every == 0 or not probes[0].prefill_s):
+                for p in probes:
+                    p.sample()
+
+        per = self.run(decoders, between=between)
         if keys:
             self.costs["ar"] = self.probes["ar"].result()
             self.costs["settings"].update({k: self.probes[k].result() for k in keys})
@@ -172,7 +190,8 @@ class Calibration:
             agg = bench._aggregate(rows)
             exact = all(r["token_ids"] == a["token_ids"] for r, a in zip(rows, per["ar"]))
             out[label] = {"speedup": agg["tokens_per_second"] / ar_tps, "exact": exact,
-                          "mat": agg["mean_accepted_tokens"]}
+                          "mat": agg["mean_accepted_tokens"],
+                          "prefill_s": agg["prefill_seconds"]}
         return out
 
     def measure_stats_and_costs(self) -> None:
@@ -183,22 +202,43 @@ class Calibration:
         ar_runs = self.run(ar, repeats=1)["ar"]
         self.stats = calibrate.exit_stats(self.d_cfg, self.d_params, self.exits, self.prompts,
                                           [r["token_ids"] for r in ar_runs], self.max_len)
-        # The benchmark's costs (loop_costs.py): the compiled prefill and round loop of AR
-        # and of every exit subset at every gamma, rounds forced to each exit, timed inside
-        # the decode loop at the generation's buffer length.
-        specs = [bench.MethodSpec(calibrate.setting_key(sub, g), "s2d", sub,
-                                  (0.0,) * len(sub), g)
-                 for sub in calibrate.exit_subsets(self.exits) for g in self.gammas]
-        log(f"[{self.name}] timing rounds inside the decode loop: AR and {len(specs)} exit "
-            f"subset x gamma settings")
+        # The benchmark's costs (loop_costs.py): the compiled prefill and round loop of AR,
+        # of every single exit and of the whole set at every gamma, rounds forced to each
+        # exit, timed inside the decode loop at the generation's buffer length; the other
+        # subsets' costs follow from these (calibrate.derive_subset_costs).
         self.probes = {"ar": self.probe(ar["ar"])}
-        self.probes.update({key: self.probe(dec) for key, dec in self.build(specs).items()})
+        keys = [calibrate.setting_key(sub, g) for sub in calibrate.probed_subsets(self.exits)
+                for g in self.gammas]
+        log(f"[{self.name}] timing rounds inside the decode loop: AR and {len(keys)} exit "
+            f"subset x gamma settings ({self.args.probe_rounds} rounds per timing)")
+        self.ensure_probes(keys, sample=False)
         for _ in range(self.args.cost_samples):
             for p in self.probes.values():
                 p.sample()
+        probed = {key: p.result() for key, p in self.probes.items() if key != "ar"}
         self.costs = {"ar": self.probes["ar"].result(),
-                      "settings": {key: p.result() for key, p in self.probes.items()
-                                   if key != "ar"}}
+                      "settings": calibrate.derive_subset_costs(probed, self.exits,
+                                                                self.gammas)}
+
+    def ensure_probes(self, keys, sample: bool = True) -> None:
+        """Compile a round-cost probe for every setting key without one (sampled
+        --cost-samples times unless `sample` is False), so a setting measured for real is
+        predicted from its own costs, not derived ones."""
+        from s2d_jax.bench import calibrate
+        from s2d_jax.bench import runner as bench
+        missing = [k for k in dict.fromkeys(keys) if k not in self.probes]
+        if not missing:
+            return
+        specs = []
+        for key in missing:
+            sub, g = calibrate.parse_setting_key(key)
+            specs.append(bench.MethodSpec(key, "s2d", sub, (0.0,) * len(sub), g))
+        for key, dec in self.build(specs).items():
+            self.probes[key] = self.probe(dec)
+            if sample:
+                for _ in range(self.args.cost_samples):
+                    self.probes[key].sample()
+                self.costs["settings"][key] = self.probes[key].result()
 
     def keep_probes(self, settings) -> None:
         """Free the compiled probes of settings no longer measured: each holds JIT code
@@ -215,7 +255,8 @@ class Calibration:
 
     def probe(self, decoder):
         from s2d_jax.bench.loop_costs import LoopProbe
-        return LoopProbe(decoder, self.prompts[0], max_len=self.max_len)
+        return LoopProbe(decoder, self.prompts[0], max_len=self.max_len,
+                         rounds=self.args.probe_rounds)
 
     def add_one_step_costs(self, decoder, exits, gamma) -> None:
         """Round costs of a decoder with a draft stop (its probe also times one-step
@@ -227,10 +268,13 @@ class Calibration:
             self.probes[key].sample()
         self.costs["settings"][key] = self.probes[key].result()
 
-    def predicted(self, thresholds, gamma, exits, stop=0.0) -> dict:
-        """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts)."""
+    def predicted(self, thresholds, gamma, exits, stop=0.0, measured=None) -> dict:
+        """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts);
+        `measured`: (the setting's, AR's) prefill seconds in the run it is compared with."""
         from s2d_jax.bench import calibrate
-        p = calibrate.predict_config(self.stats, self.costs, thresholds, gamma, exits, stop)
+        pre, ar_pre = measured or (None, None)
+        p = calibrate.predict_config(self.stats, self.costs, thresholds, gamma, exits, stop,
+                                     prefill_s=pre, ar_prefill_s=ar_pre)
         return {"predicted_speedup": p["predicted_speedup"] if p else None,
                 "predicted_mat": p["mean_accepted_tokens"] if p else None}
 
@@ -282,7 +326,8 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
         rows.append({"label": label, "exits": list(spec.exits),
                      "thresholds": list(spec.thresholds), "gamma": spec.gamma,
                      "measured_speedup": m["speedup"], "measured_mat": m["mat"],
-                     **cal.predicted(spec.thresholds, spec.gamma, spec.exits)})
+                     **cal.predicted(spec.thresholds, spec.gamma, spec.exits,
+                                     measured=(m["prefill_s"], measured["ar"]["prefill_s"]))})
     for r in rows:
         log(f"  {r['label']}: exits {r['exits']} thresholds {r['thresholds']} gamma "
             f"{r['gamma']}: measured {r['measured_speedup']:.2f}x (MAT "
@@ -320,7 +365,9 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
         rows.append({**base, "label": label, "stop_threshold": spec.stop,
                      "measured_speedup": measured[label]["speedup"],
                      "measured_mat": measured[label]["mat"],
-                     **cal.predicted(th, g, ex, spec.stop)})
+                     **cal.predicted(th, g, ex, spec.stop,
+                                     measured=(measured[label]["prefill_s"],
+                                               measured["ar"]["prefill_s"]))})
     for r in rows:
         log(f"  draft stop {r['stop_threshold']}: {r['measured_speedup']:.2f}x "
             f"(MAT {r.get('measured_mat', best.get('measured_mat', float('nan'))):.2f})")

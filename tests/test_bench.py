@@ -95,10 +95,16 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
     assert loop["ar"]["max_len"] == loop["s2d-0.5"]["max_len"] and loop["ar"]["rounds"] >= 2
     # the probes were sampled once after each prompt, side by side with the runs
     assert loop["ar"]["trials"] == loop["s2d-0.5"]["trials"] == 2
+    # the prefills as this run timed them (per turn, split off the rounds), not the probe
+    # prompt's: a prefill's cost follows each prompt's length
+    assert 0 < m["prefill_seconds"] < m["seconds"]
+    assert 0 < res["ar"]["prefill_seconds"] < res["ar"]["seconds"]
     exp = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
                               loop["s2d-0.5"]["round_s"], m["exit_usage"],
                               loop["s2d-0.5"]["prefill_s"], prompts=2, tokens=m["new_tokens"],
-                              rounds=m["rounds"])["predicted_speedup"]
+                              rounds=m["rounds"], prefill_total_s=m["prefill_seconds"],
+                              ar_prefill_total_s=res["ar"]["prefill_seconds"]
+                              )["predicted_speedup"]
     assert m["predicted_speedup"] == pytest.approx(exp)
     assert m["draft_steps_per_round"] == pytest.approx(sum(m["exit_usage"]) / m["rounds"])
     answers = (out / "answers" / "t" / "s2d-cal-T0.jsonl").read_text().splitlines()

@@ -279,3 +279,22 @@ def test_simulator_predicts_the_engines_greedy_rounds():
         assert rounds == sim_rounds and usage == sim_usage
     used = np.sum([p[0][2] for p in one], axis=0)
     assert np.count_nonzero(used) >= 2  # the thresholds really escalate
+
+
+def test_derive_subset_costs_from_single_exits_and_the_whole_set():
+    # rounds forced to exit e of the whole set (1, 2, 3) check every exit below e: each
+    # check costs (whole at 3 - exit 3 alone) / 2 = (10 - 8) / 2 = 1 per round
+    probed = {"1@2": {"prefill_s": 0.5, "round_s": [4.0]},
+              "2@2": {"prefill_s": 0.6, "round_s": [6.0]},
+              "3@2": {"prefill_s": 0.7, "round_s": [8.0]},
+              "1,2,3@2": {"prefill_s": 0.7, "round_s": [4.0, 7.0, 10.0]}}
+    out = calibrate.derive_subset_costs(probed, (1, 2, 3), [2])
+    assert set(out) == {calibrate.setting_key(s, 2) for s in calibrate.exit_subsets((1, 2, 3))}
+    for key, v in probed.items():  # probed settings keep their own costs
+        assert out[key] == v
+    assert out["1,3@2"]["round_s"] == [4.0, 9.0]  # exit 2's check is skipped
+    assert out["2,3@2"]["round_s"] == [6.0, 9.0]  # at 2: 7 - 1, never below exit 2 alone
+    assert out["1,2@2"]["round_s"] == [4.0, 7.0]
+    # the draft's prefill runs up to the subset's deepest exit
+    assert out["1,2@2"]["prefill_s"] == 0.6 and out["1,2@2"]["derived"]
+    assert calibrate.probed_subsets((1, 2, 3)) == [(1,), (2,), (3,), (1, 2, 3)]

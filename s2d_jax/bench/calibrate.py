@@ -154,14 +154,54 @@ def parse_setting_key(key: str) -> tuple[tuple[int, ...], int]:
     return tuple(int(e) for e in exits.split(",")), int(gamma)
 
 
+def probed_subsets(exits) -> list[tuple[int, ...]]:
+    """The exit subsets calibration times directly: every single exit (vanilla SD, always
+    measured for real) and the whole set; `derive_subset_costs` fills in the others."""
+    exits = tuple(exits)
+    return [(e,) for e in exits] + ([exits] if len(exits) > 1 else [])
+
+
+def derive_subset_costs(settings: dict, exits, gammas) -> dict:
+    """Round costs of every exit subset at every gamma from the probes of the single exits
+    and of the whole set (`probed_subsets`), so calibration compiles and times 1 + m probes
+    per gamma instead of 2^m - 1 (on SmolLM2 with 4 exits x 3 gammas, 45 probes took most
+    of an hour before ranking began).
+
+    A round forced to exit e runs the draft's layers up to e whichever exits are checked on
+    the way; each checked exit below e adds its head, confidence and branch. That check
+    costs (whole set at the deepest exit - the deepest exit alone) / (m - 1) per round, so
+    a subset stopping at e costs the whole set at e minus the checks of the exits it
+    skips, and never less than exit e alone. Derived entries carry "derived": True; the
+    settings calibration measures for real are probed themselves."""
+    exits, out = tuple(exits), dict(settings)
+    for g in gammas:
+        full = settings[setting_key(exits, g)]
+        single = {e: settings[setting_key((e,), g)]["round_s"][0] for e in exits}
+        check = max(0.0, (full["round_s"][-1] - single[exits[-1]]) / max(len(exits) - 1, 1))
+        for sub in exit_subsets(exits):
+            key = setting_key(sub, g)
+            if key in out:
+                continue
+            round_s = [max(full["round_s"][exits.index(e)]
+                           - check * sum(1 for x in exits if x < e and x not in sub), single[e])
+                       for e in sub]
+            # the draft's prefill runs its layers up to the subset's deepest exit
+            out[key] = {**settings[setting_key((sub[-1],), g)], "round_s": round_s,
+                        "derived": True}
+    return out
+
+
 def predict_config(stats: ExitStats, costs: dict, thresholds, gamma: int, exits=None,
-                   stop: float = 0.0) -> dict | None:
+                   stop: float = 0.0, prefill_s: float | None = None,
+                   ar_prefill_s: float | None = None) -> dict | None:
     """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma,
     draft stop), by the benchmark's own formula (theory.loop_prediction).
 
     costs: in-loop round costs (loop_costs.LoopProbe results, as the benchmark measures
     them): "ar" the target's AR probe, "settings" {setting_key: probe of an S2D decoder
-    with those exits and gamma} ("one_step_round_s" needed when stop > 0)."""
+    with those exits and gamma} ("one_step_round_s" needed when stop > 0). prefill_s,
+    ar_prefill_s: the run's prefills (summed over its prompts) where a run measured them,
+    in place of the probe prompt's (theory.loop_speedup)."""
     exits = tuple(stats.exits if exits is None else exits)
     sim = simulate(stats.select(exits), thresholds, gamma, stop)
     if sum(sim["exit_usage"]) == 0:
@@ -179,7 +219,8 @@ def predict_config(stats: ExitStats, costs: dict, thresholds, gamma: int, exits=
     prompts = len(stats.correct)
     pred = theory.loop_prediction(costs["ar"], loop, sim["exit_usage"],
                                   sim["draft_steps_per_round"], gamma, prompts=prompts,
-                                  tokens=sim["tokens"] + prompts, rounds=sim["rounds"])
+                                  tokens=sim["tokens"] + prompts, rounds=sim["rounds"],
+                                  prefill_s=prefill_s, ar_prefill_s=ar_prefill_s)
     return {"exits": list(exits), "thresholds": [float(t) for t in thresholds],
             "gamma": int(gamma), "stop_threshold": float(stop), **sim,
             "predicted_speedup": pred["predicted_speedup"]}

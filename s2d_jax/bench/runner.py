@@ -176,7 +176,11 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     methods), and minutes apart a spell hits one pass of a prompt, which the median drops.
     """
     labels = list(decoders)
-    kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id)
+    # One chunk holds every round (each adds >= 1 token); chunking splits the prefill off,
+    # so each turn's prefill is timed on its own: it depends on the prompt's length, which
+    # one probe prompt cannot stand for (theory.loop_speedup).
+    kw = dict(max_new_tokens=max_new_tokens, max_len=max_len, eos_id=eos_id,
+              chunk_rounds=max_new_tokens + 1)
     compile_s = {}
     for label in labels:  # warm-up: compiles, and first-run effects stay out of the timings
         out = decoders[label].generate([prompts[0]], temperature=float(temperatures[0]), **kw)
@@ -184,7 +188,7 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     if after_warmup is not None:
         after_warmup()
     n = len(prompts)
-    secs, outs = {}, {}
+    secs, pre, outs = {}, {}, {}
     it = range(n * repeats) if progress is None else progress(range(n * repeats))
     for k in it:
         i = k % n
@@ -198,6 +202,7 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
                                                    seed=i + j * n, **kw)[0]
                     key = (float(t), label, i, j)
                     secs.setdefault(key, []).append(out["stats"]["batch_seconds"])
+                    pre.setdefault(key, []).append(out["stats"].get("prefill_seconds"))
                     outs[key] = dict(out, prompt=list(prompt))
                     answers.append(out["token_ids"])
                     prompt = next_turn(i, answers) if next_turn is not None else None
@@ -208,9 +213,15 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
     runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i, j)]["token_ids"],
                                 "prompt": outs[(float(t), label, i, j)]["prompt"],
                                 "seconds": statistics.median(secs[(float(t), label, i, j)]),
+                                "prefill_seconds": _median_or_none(
+                                    pre[(float(t), label, i, j)]),
                                 "stats": outs[(float(t), label, i, j)]["stats"]}
                                for i, j in items] for label in labels} for t in temperatures}
     return {"runs": runs, "items": items, "compile_seconds": compile_s}
+
+
+def _median_or_none(values: list):
+    return None if None in values else statistics.median(values)
 
 
 def _aggregate(rows: list[dict]) -> dict:
@@ -220,7 +231,9 @@ def _aggregate(rows: list[dict]) -> dict:
     round_tokens = sum(r["stats"]["mean_accepted_tokens"] * r["stats"]["rounds"] for r in rows)
     usage = np.sum([r["stats"]["exit_usage"] for r in rows], axis=0) if rows else np.zeros(0)
     usage = usage.tolist() if np.ndim(usage) else []
+    prefill = [r.get("prefill_seconds") for r in rows]
     return {"new_tokens": tokens, "seconds": seconds,
+            "prefill_seconds": (sum(prefill) if rows and None not in prefill else None),
             "tokens_per_second": tokens / seconds if seconds > 0 else None,
             "rounds": rounds,
             "mean_accepted_tokens": round_tokens / rounds if rounds else None,
@@ -267,14 +280,15 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                      "thresholds": (list(by_label[label].thresholds)
                                     if by_label[label].thresholds else None),
                      "stop_threshold": by_label[label].stop}
-            entry.update(predict(entry, costs, label, str(t), len(rows)))
+            entry.update(predict(entry, costs, label, str(t), len(rows),
+                                 ar_agg["prefill_seconds"] if ar_agg else None))
             res[label] = entry
         out[str(t)] = res
     return out
 
 
 def predict(entry: dict, costs: dict | None, label: str, temperature: str = "0.0",
-            prompts: int = 1) -> dict:
+            prompts: int = 1, ar_prefill_s: float | None = None) -> dict:
     """predicted_speedup from the time model (theory.loop_prediction) on in-loop round costs
     of the method and of AR (costs["loop"], loop_costs.py) with this run's rounds and exit
     usage; None where a side was not probed (no ar run, a chain: chains.py fills those)."""
@@ -286,7 +300,8 @@ def predict(entry: dict, costs: dict | None, label: str, temperature: str = "0.0
     pred = theory.loop_prediction(loop["ar"], loop[label], entry["exit_usage"],
                                   entry["draft_steps_per_round"], entry["gamma"],
                                   prompts=prompts, tokens=entry["new_tokens"],
-                                  rounds=entry["rounds"])
+                                  rounds=entry["rounds"], prefill_s=entry.get("prefill_seconds"),
+                                  ar_prefill_s=ar_prefill_s)
     ratio = (entry["speedup_vs_ar"] / pred["predicted_speedup"]
              if entry["speedup_vs_ar"] else None)
     return {"predicted_speedup": pred["predicted_speedup"], "measured_over_predicted": ratio,

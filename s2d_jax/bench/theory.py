@@ -149,27 +149,38 @@ def round_costs_at_steps(full_round_s: Sequence[float], one_step_round_s: Sequen
 
 def loop_speedup(ar_round_s: float, ar_prefill_s: float, round_costs: Sequence[float],
                  exit_usage: Sequence[float], prefill_s: float, *, prompts: int, tokens: int,
-                 rounds: int) -> dict:
+                 rounds: int, prefill_total_s: float | None = None,
+                 ar_prefill_total_s: float | None = None) -> dict:
     """Lemma 3.1 with n = 2 on costs measured inside the decode loop (loop_costs.py), with
     the prefill each generation pays added on both sides:
 
       T_AR  = prompts * P_AR + N * R_AR            (AR: one target call per token)
       T_S2D = prompts * P + F_1 * sum_j u_j R_j    (F_1 = N / L_1 target calls = rounds)
 
+    prefill_total_s / ar_prefill_total_s: the prefills as the run timed them (their sum over
+    its prompts) in place of prompts * P: a prefill's cost grows with the prompt's length
+    (Spec-Bench's summarization and RAG prompts run to ~1000 tokens, its MT-bench ones to
+    ~30), so one probe prompt's prefill stands for none of them, and where prefill is a
+    large share of a short generation the prediction followed the probe prompt instead of
+    the rounds.
+
     R_j = beta c_j + T_1(gamma + 1) is one round with every drafted token kept at exit j,
     so sum_j u_j R_j is Lemma 3.1's beta T_n + T_1 per target call for the measured exit
     usage u (normalised). Returns the predicted speedup T_AR / T_S2D and both times."""
     R = _positive("round costs", round_costs)
     c = draft_step_cost(R, exit_usage) if len(R) > 1 else R[0]
-    t_ar = prompts * ar_prefill_s + tokens * ar_round_s
-    t = prompts * prefill_s + rounds * c
+    p_ar = prompts * ar_prefill_s if ar_prefill_total_s is None else ar_prefill_total_s
+    p = prompts * prefill_s if prefill_total_s is None else prefill_total_s
+    t_ar = p_ar + tokens * ar_round_s
+    t = p + rounds * c
     return {"predicted_speedup": t_ar / t, "predicted_ar_s": t_ar, "predicted_s": t,
             "round_s": c}
 
 
 def loop_prediction(ar: dict, costs: dict, exit_usage: Sequence[float],
                     steps_per_round: float, gamma: int, *, prompts: int, tokens: int,
-                    rounds: int) -> dict:
+                    rounds: int, prefill_s: float | None = None,
+                    ar_prefill_s: float | None = None) -> dict:
     """`loop_speedup` on loop_costs.LoopProbe results: `ar` of the target's AR decoder,
     `costs` of the method's ({"prefill_s", "round_s": [per forced exit]}, and
     "one_step_round_s" for a dynamic draft length: its rounds run `steps_per_round` of
@@ -181,4 +192,5 @@ def loop_prediction(ar: dict, costs: dict, exit_usage: Sequence[float],
                                         gamma)
     usage = exit_usage if any(exit_usage) else [1.0] * len(rounds_s)
     return loop_speedup(ar["round_s"][0], ar["prefill_s"], rounds_s, usage,
-                        costs["prefill_s"], prompts=prompts, tokens=tokens, rounds=rounds)
+                        costs["prefill_s"], prompts=prompts, tokens=tokens, rounds=rounds,
+                        prefill_total_s=prefill_s, ar_prefill_total_s=ar_prefill_s)

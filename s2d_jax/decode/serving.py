@@ -145,8 +145,9 @@ class Decoder:
         """Generate for a batch of token-id prompts -> one dict per prompt (ids + stats).
 
         chunk_rounds > 0 runs prefill, then the round loop in jitted chunks of that many
-        rounds (state donated), calling on_chunk(state) between chunks (streaming). The
-        result is identical to the single-jit path: keys depend only on the round index.
+        rounds (state donated), calling on_chunk(state) between chunks (streaming), and
+        times the prefill on its own (stats["prefill_seconds"]). The result is identical to
+        the single-jit path: keys depend only on the round index.
         """
         spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
         eos = eos_id_or_default(eos_id, self.target_cfg)
@@ -162,6 +163,7 @@ class Decoder:
         # Compile ahead (cached by jax per static settings and shapes) so that the reported
         # time and tokens/s exclude compilation.
         t0 = time.perf_counter()
+        prefill_s = None
         if chunk_rounds <= 0:
             run = engine.generate.lower(*args, **kw).compile()
             compile_s = time.perf_counter() - t0
@@ -175,7 +177,8 @@ class Decoder:
                 jax.eval_shape(lambda: first(*args)), *loop_args, **kw).compile()
             compile_s = time.perf_counter() - t0
             start = time.perf_counter()
-            state = first(*args)
+            state = jax.block_until_ready(first(*args))
+            prefill_s = time.perf_counter() - start
             while True:
                 if on_chunk is not None:
                     on_chunk(state)
@@ -183,11 +186,11 @@ class Decoder:
                     break
                 state = chunk(state, *loop_args)
         state = jax.block_until_ready(state)
-        return summarize(state, time.perf_counter() - start, spec, compile_s)
+        return summarize(state, time.perf_counter() - start, spec, compile_s, prefill_s)
 
 
 def summarize(state: GenState, seconds: float, spec: SpecConfig,
-              compile_seconds: float = 0.0) -> list[dict]:
+              compile_seconds: float = 0.0, prefill_seconds: float | None = None) -> list[dict]:
     """Per-row results: generated token ids and statistics (MAT counts the target's token)."""
     s = jax.device_get(state)
     st = s.stats
@@ -217,6 +220,7 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "level_forwards": st.level_calls[b].tolist(),
                 "batch_seconds": seconds,  # generation only, compilation excluded
                 "compile_seconds": compile_seconds,
+                "prefill_seconds": prefill_seconds,  # of batch_seconds; None: not split
                 "batch_tokens_per_s": total_new / seconds if seconds > 0 else None,
             }})
     return out
