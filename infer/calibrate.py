@@ -67,6 +67,10 @@ def parse_args(argv):
                     help="auto: the tokenizer's own template, else none (default auto)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="also write every measured setting (predicted vs measured), the best "
+                    "predicted setting per exit subset and gamma, per-exit acceptance and the "
+                    "round costs to this file")
     return ap.parse_args(argv)
 
 
@@ -312,9 +316,10 @@ def _require_exact(measured: dict, label: str, what: str) -> None:
                        f"not writing a serving config")
 
 
-def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]:
-    """(best, 0.5/.../0 row, decoders): every candidate measured, the --finalists fastest
-    measured again, the choice made on the second run (calibrate.pick_setting)."""
+def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict, list]:
+    """(best, 0.5/.../0 row, decoders, every measured row): every candidate measured, the
+    --finalists fastest measured again, the choice made on the second run
+    (calibrate.pick_setting)."""
     from s2d_jax.bench import calibrate
     cal.keep_probes([(c.exits, c.gamma) for c in candidates.values()])
     decs = cal.build([cal.ar_spec] + list(candidates.values()))
@@ -342,7 +347,7 @@ def _pick_setting(cal: Calibration, candidates: dict) -> tuple[dict, dict, dict]
         log(f"  {r['label']}: exits {r['exits']} thresholds {r['thresholds']} gamma "
             f"{r['gamma']}: {r['first_run_speedup']:.2f}x, again {r['measured_speedup']:.2f}x")
     best = calibrate.pick_setting(final, cal.args.min_gain, default_gamma=cal.paper_gamma)
-    return best, next(r for r in rows if r["label"] == "paper"), decs
+    return best, next(r for r in rows if r["label"] == "paper"), decs, rows
 
 
 def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> dict:
@@ -387,6 +392,18 @@ def _pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> 
             "measured_speedup": again["pick"]["speedup"]}
 
 
+def _write_report(path: str, cal: Calibration, rows: list) -> None:
+    """The evidence behind the choice, for reading without rerunning (--report)."""
+    import json
+
+    from s2d_jax.bench import calibrate
+    from s2d_jax.io.atomic import write_atomic
+    write_atomic(path, json.dumps(calibrate.calibration_report(
+        cal.stats, cal.costs, rows, target=cal.name, prompts=len(cal.prompts)),
+        indent=1, default=float))
+    log(f"wrote {path}")
+
+
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
@@ -404,7 +421,9 @@ def main(argv=None):
     log(f"[{name}] measuring {len(candidates)} settings: every single exit at every gamma, "
         f"the best {args.check} predicted multi-exit ones, the best multi-exit one per "
         f"gamma and 0.5/.../0")
-    best, paper, decs = _pick_setting(cal, candidates)
+    best, paper, decs, rows = _pick_setting(cal, candidates)
+    if args.report:
+        _write_report(args.report, cal, rows)
     if stops:
         best = _pick_stop(cal, best, stops, decs)
     record = serving_config.serving_record(path, args.draft, best, paper, args.questions,

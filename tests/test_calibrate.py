@@ -158,9 +158,19 @@ def family(tmp_path_factory):
 def test_calibrate_cli_writes_a_valid_config(family, capsys):
     rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-new-tokens", "8",
-               "--gammas", "2", "--check", "1", "--stops", "0.5"])
+               "--gammas", "2", "--check", "1", "--stops", "0.5", "--probe-rounds", "8",
+               "--cost-every", "2", "--report", str(family / "cal.json")])
     assert rc == 0
     cfg = serving_config.load_serving_config(str(family / "target"))
+    rep = json.loads((family / "cal.json").read_text())
+    # every measured setting with its prediction from its own probe and the run's prefills
+    assert {r["label"] for r in rep["measured"]} >= {"paper"}
+    assert all(r["predicted_speedup"] > 0 and r["measured_speedup"] > 0
+               for r in rep["measured"])
+    assert {r["gamma"] for r in rep["best_predicted_per_setting"]} == {2}
+    assert set(rep["exit_accuracy"]) == {"1", "2"}
+    assert all(0.0 <= a <= 1.0 for a in rep["exit_accuracy"].values())
+    assert rep["costs"]["settings"]["1,2@2"]["rounds"] == 8  # --probe-rounds
     assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
     assert cfg["stop_threshold"] in (0.0, 0.5)
     cap = capsys.readouterr()

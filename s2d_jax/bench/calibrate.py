@@ -275,3 +275,22 @@ def pick_stop(rows: list[dict], min_gain: float = 0.0, key: str = "measured_spee
     if off and best[key] < off[0][key] * (1.0 + min_gain):
         return off[0]
     return best
+
+
+def calibration_report(stats: ExitStats, costs: dict, measured: list[dict], *, target: str,
+                       prompts: int) -> dict:
+    """Every measured setting (predicted vs measured), the best predicted thresholds of every
+    (exit subset, gamma), each exit's greedy acceptance along the trajectories and the
+    round costs: why calibration chose what it chose."""
+    best = {}
+    for r in rank_configs(stats, costs):  # best first: keep the first of each setting
+        best.setdefault(setting_key(r["exits"], r["gamma"]), r)
+    correct = np.concatenate(stats.correct)
+    return {"target": target, "exits": list(stats.exits), "prompts": prompts,
+            "exit_accuracy": dict(zip(map(str, stats.exits), correct.mean(0).tolist())),
+            "measured": measured,
+            "best_predicted_per_setting": [
+                {k: r[k] for k in ("exits", "thresholds", "gamma", "predicted_speedup",
+                                   "mean_accepted_tokens", "exit_usage")}
+                for r in best.values()],
+            "costs": costs}
