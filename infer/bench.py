@@ -62,6 +62,10 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal")
+    ap.add_argument("--s2d-setting", action="append", default=[],
+                    metavar="EXITS:THRESHOLDS:GAMMA",
+                    help="also run S2D at this fixed setting, e.g. 2,4:0.3,0:1 (repeatable; "
+                    "label s2d_e2-4_t0.3-0_g1)")
     ap.add_argument("--self-exit", type=int, default=None)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--repeats", type=int, default=1,
@@ -113,8 +117,9 @@ def _check_args(args):
     if bad or not kinds:
         raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
                        f"{', '.join(METHOD_KINDS)}")
-    if args.draft is None and any(k in ("sd", "s2d", "s2d-cal") for k in kinds):
-        raise S2DError("methods sd / s2d / s2d-cal need --draft")
+    if args.draft is None and (args.s2d_setting
+                               or any(k in ("sd", "s2d", "s2d-cal") for k in kinds)):
+        raise S2DError("methods sd / s2d / s2d-cal and --s2d-setting need --draft")
     if args.step_breakdown and args.draft is None:
         raise S2DError("--step-breakdown times the draft's step; pass --draft")
     if args.hf_baseline:
@@ -199,6 +204,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
         self_exit = None
     specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma,
                                       load_serving_config(path))
+    specs += [bench.parse_s2d_setting(t, exits) for t in args.s2d_setting]
     notes = [f"{name}: {n}" for n in notes]
     chain_specs, mids, baseline = [], {}, None
     if chains:

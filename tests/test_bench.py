@@ -12,6 +12,7 @@ from s2d_jax.bench import runner as bench
 from s2d_jax.model import transformer as model
 from s2d_jax.bench import theory
 from s2d_jax.decode.serving_config import SERVING_CONFIG
+from s2d_jax.errors import S2DError
 from s2d_jax.config import ModelConfig
 from s2d_jax.io.hf import export_hf
 from tiny_models import cli_error
@@ -125,6 +126,28 @@ def test_method_specs_expand_and_skip():
     assert len(notes) == 1 and "s2d-cal skipped" in notes[0]
 
 
+def test_s2d_setting_parses_and_refuses():
+    spec = bench.parse_s2d_setting("2,4:0.3,0:1", (2, 4, 6, 8))
+    assert spec == bench.MethodSpec("s2d_e2-4_t0.3-0_g1", "s2d", (2, 4), (0.3, 0.0), 1)
+    for bad in ("2,4:0.3:1", "2,5:0.3,0:1", "4,2:0.3,0:1", "2,4:0.3,0:0", "2,4:1.5,0:1",
+                "2,4", "a:b:c"):
+        with pytest.raises(S2DError, match="--s2d-setting"):
+            bench.parse_s2d_setting(bad, (2, 4, 6, 8))
+
+
+def test_escalation_check_needs_two_exits_in_use_and_the_paired_ratio():
+    from s2d_jax.bench.report import escalation_checks
+    sd = {"method": "sd", "per_prompt_tokens_per_second": [10.0, 20.0, 30.0]}
+    multi = {"method": "s2d", "exit_usage": [5, 3], "exit_usage_fraction": [0.625, 0.375],
+             "per_prompt_tokens_per_second": [10.8, 21.6, 32.4]}
+    one = {**multi, "exit_usage": [8, 0]}  # escalation never used: not S2D's claim
+    slow = {**multi, "per_prompt_tokens_per_second": [10.2, 20.4, 30.6]}
+    checks = escalation_checks("t", {"sd@2": sd, "a": multi, "b": one, "c": slow}, "sd@2")
+    assert [c["check"].split(":")[0] for c in checks] == ["t a", "t c"]
+    assert checks[0]["pass"] and "1.080" in checks[0]["value"]
+    assert not checks[1]["pass"] and "0.62/0.38" in checks[1]["value"]
+
+
 def _error(capsys, argv):
     return cli_error(main, capsys, argv)
 
@@ -140,6 +163,7 @@ def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
     assert "unknown method" in _error(capsys, base + ["--methods", "ar,medusa"])
     assert "category" in _error(capsys, base + ["--categories", "poetry"])
     assert "need --draft" in _error(capsys, base[:2] + base[4:] + ["--methods", "ar,sd"])
+    assert "--s2d-setting" in _error(capsys, base + ["--methods", "ar", "--s2d-setting", "9:0:1"])
     assert not (tmp_path / "o").exists()
 
 
