@@ -120,6 +120,9 @@ def _check_args(args):
     if args.draft is None and (args.s2d_setting
                                or any(k in ("sd", "s2d", "s2d-cal") for k in kinds)):
         raise S2DError("methods sd / s2d / s2d-cal and --s2d-setting need --draft")
+    from s2d_jax.bench.runner import parse_s2d_setting
+    for text in args.s2d_setting:  # the form now; the exits once the draft is loaded
+        parse_s2d_setting(text)
     if args.step_breakdown and args.draft is None:
         raise S2DError("--step-breakdown times the draft's step; pass --draft")
     if args.hf_baseline:

@@ -163,7 +163,7 @@ def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
     assert "unknown method" in _error(capsys, base + ["--methods", "ar,medusa"])
     assert "category" in _error(capsys, base + ["--categories", "poetry"])
     assert "need --draft" in _error(capsys, base[:2] + base[4:] + ["--methods", "ar,sd"])
-    assert "--s2d-setting" in _error(capsys, base + ["--methods", "ar", "--s2d-setting", "9:0:1"])
+    assert "--s2d-setting" in _error(capsys, base + ["--methods", "ar", "--s2d-setting", "2,4:0.3:1"])
     assert not (tmp_path / "o").exists()
 
 

@@ -79,10 +79,11 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
     return specs, notes
 
 
-def parse_s2d_setting(text: str, draft_exits: Sequence[int]) -> MethodSpec:
+def parse_s2d_setting(text: str, draft_exits: Sequence[int] | None = None) -> MethodSpec:
     """"EXITS:THRESHOLDS:GAMMA" (e.g. "2,4:0.3,0:1") -> an S2D run labelled
     s2d_e2-4_t0.3-0_g1: a fixed multi-exit setting measured beside the others (a
-    calibration candidate, say), not only the paper's and the calibrated one."""
+    calibration candidate, say), not only the paper's and the calibrated one. Without
+    draft_exits only the form is checked (before any model is loaded)."""
     form = "EXITS:THRESHOLDS:GAMMA, e.g. 2,4:0.3,0:1"
     try:
         ex, th, g = text.split(":")
@@ -91,11 +92,12 @@ def parse_s2d_setting(text: str, draft_exits: Sequence[int]) -> MethodSpec:
         gamma = int(g)
     except ValueError:
         raise S2DError(f"--s2d-setting {text!r} is not {form}") from None
-    if (len(thresholds) != len(exits) or not set(exits) <= set(int(e) for e in draft_exits)
+    allowed = set(exits) if draft_exits is None else set(int(e) for e in draft_exits)
+    if (len(thresholds) != len(exits) or not set(exits) <= allowed
             or list(exits) != sorted(set(exits)) or gamma < 1
             or not all(0.0 <= t <= 1.0 for t in thresholds)):
         raise S2DError(f"--s2d-setting {text!r}: give ascending exits of the draft "
-                       f"{list(draft_exits)}, one threshold in [0, 1] per exit and gamma "
+                       f"{sorted(allowed)}, one threshold in [0, 1] per exit and gamma "
                        f">= 1 ({form})")
     label = "s2d_e{}_t{}_g{}".format("-".join(map(str, exits)),
                                      "-".join(f"{t:g}" for t in thresholds), gamma)
