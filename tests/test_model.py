@@ -77,6 +77,32 @@ def test_layer_ranges_compose_with_cache(setup, a=2, b=5):
     np.testing.assert_allclose(np.asarray(h_one), np.asarray(ref), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_fresh_prefill_equals_the_cached_one(setup, cache_dtype):
+    """fresh=True (attend within the call, causally) = attending over every cache slot:
+    same hidden states, same stored keys/values, and the next decode step agrees."""
+    params, _, h, positions = setup
+    fresh_run = jax.jit(functools.partial(run_layers, cfg=CFG, start=0, end=6, fresh=True))
+    outs = []
+    for prefill in (lambda c: _run(params, CFG, h[:, :7], positions[:, :7], 0, 6, c),
+                    lambda c: fresh_run(params, h=h[:, :7], positions=positions[:, :7],
+                                        cache=c)):
+        x, cache = prefill(init_cache(CFG, 2, 12, dtype=cache_dtype))
+        cache = cache.with_lengths(cache.lengths + 7)
+        nxt, cache = _run(params, CFG, h[:, 7:8], positions[:, 7:8], 0, 6, cache)
+        outs.append((x, nxt, cache))
+    (x1, n1, c1), (x2, n2, c2) = outs
+    assert float(jnp.abs(x1 - h[:, :7]).max()) > 0.1
+    # float32 sums in another order (T keys, not max_len slots): ~1e-5 on values up to ~15
+    np.testing.assert_allclose(np.asarray(x2), np.asarray(x1), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(n2), np.asarray(n1), atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if cache_dtype == "float32" else 2e-2
+    for name in ("k", "v"):
+        one, two = (np.asarray(getattr(c, name), np.float32) for c in (c1, c2))
+        assert np.all(np.abs(one[:, :, :8]).max(axis=(3, 4)) > 0) and np.all(one[:, :, 8:] == 0)
+        np.testing.assert_allclose(two, one, atol=tol, rtol=tol)
+
+
 def test_layer_prefix_is_the_truncated_model(setup):
     """Exit e of a sorted draft == the model cut to e layers (what --num-layers produces)."""
     params, tokens, h, positions = setup

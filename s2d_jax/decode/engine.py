@@ -60,8 +60,12 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
     S = spec.max_len
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     tcache = _place_cache(init_cache(target_cfg, B, S), mesh)
-    logits, tcache = model.forward(target_params, target_cfg, prompts, positions, tcache)
-    last_logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    h = model.embed_tokens(target_params, target_cfg, prompts)
+    h, tcache = model.run_layers(target_params, target_cfg, h, positions, 0,
+                                 target_cfg.num_layers, tcache, fresh=True)
+    # Only the last prompt token's logits are needed: the head runs on one row, not P.
+    h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
+    last_logits = model.lm_logits(target_params, target_cfg, h_last)[:, 0]
     key, k_first = jax.random.split(key)
     first = sample(k_first, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
 
@@ -70,11 +74,13 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
         dcache = _place_cache(init_cache(draft_cfg, B, S), mesh)
         h = model.embed_tokens(draft_params, draft_cfg, prompts)
         _, dcache = model.run_layers(draft_params, draft_cfg, h, positions, 0,
-                                     spec.exits[-1], dcache)
+                                     spec.exits[-1], dcache, fresh=True)
     mid_caches = []
     for mp, mc in zip(mid_params, mid_cfgs):
         mcache = _place_cache(init_cache(mc, B, S), mesh)
-        mid_caches.append(model.forward(mp, mc, prompts, positions, mcache)[1])
+        hm = model.embed_tokens(mp, mc, prompts)
+        mid_caches.append(model.run_layers(mp, mc, hm, positions, 0, mc.num_layers, mcache,
+                                           fresh=True)[1])
 
     valid = jnp.arange(P)[None, :] < prompt_lens[:, None]
     tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(jnp.where(valid, prompts, 0))

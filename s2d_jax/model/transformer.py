@@ -192,7 +192,7 @@ def layer_slice(params: dict, start: int, end: int) -> dict:
 def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
                start: int = 0, end: int | None = None, cache: KVCache | None = None,
                segment_ids: jnp.ndarray | None = None, remat: str = "none",
-               layers: dict | None = None):
+               layers: dict | None = None, fresh: bool = False):
     """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
 
     `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
@@ -202,6 +202,10 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     With a cache, the new keys/values go to slot == position of layer `start + i`, and each
     query attends to every slot <= its position. Without a cache, attention is causal
     within the call (and within each `segment_ids` segment, for packed training rows).
+    `fresh` (static; with a cache): the call's tokens are the first the cache holds, at
+    positions 0..T-1 of every row (a prefill), so they attend to each other only, causally:
+    the same keys as slots <= position, without scoring all max_len slots (on a 2-core CPU a
+    300-token prefill into a 1024-slot cache took 2.6x as long that way).
     `start`/`end` are static. Returns (h, cache); cache lengths are left to the caller.
     """
     end = cfg.num_layers if end is None else end
@@ -236,8 +240,12 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
 
     B, T = positions.shape
     bidx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    slots = jnp.arange(cache.max_len)
-    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    if fresh:
+        tpos = jnp.arange(T)
+        mask = jnp.broadcast_to(tpos[None, :, None] >= tpos[None, None, :], (B, T, T))
+    else:
+        slots = jnp.arange(cache.max_len)
+        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
     def body(carry, xs):
         h, kc, vc = carry
@@ -247,6 +255,9 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
             # Scatter the new keys into their slots (positions past the cache are dropped).
             kc2 = kc.at[li, bidx, positions].set(k.astype(kc.dtype), mode="drop")
             vc2 = vc.at[li, bidx, positions].set(v.astype(vc.dtype), mode="drop")
+            if fresh:  # the keys as stored (cache dtype), as a later step reads them
+                return (k.astype(kc.dtype).astype(h.dtype), v.astype(vc.dtype).astype(h.dtype),
+                        mask, (kc2, vc2))
             return kc2[li].astype(h.dtype), vc2[li].astype(h.dtype), mask, (kc2, vc2)
 
         h, (kc, vc) = block.apply({"params": lp}, h, cos, sin, attend)
@@ -297,16 +308,19 @@ def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndar
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
-            cache: KVCache | None = None, segment_ids=None, remat: str = "none"):
+            cache: KVCache | None = None, segment_ids=None, remat: str = "none",
+            fresh: bool = False):
     """Full model: tokens [B, T] -> (float32 logits [B, T, V], cache).
 
     Positions default to the cache's next positions (or 0..T-1 without a cache); the
-    returned cache holds the new keys/values but its lengths are not advanced.
+    returned cache holds the new keys/values but its lengths are not advanced. `fresh`:
+    see run_layers (a prefill into an empty cache).
     """
     if positions is None:
         T = tokens.shape[1]
         positions = (cache.next_positions(T) if cache is not None
                      else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), tokens.shape))
     h = embed_tokens(params, cfg, tokens)
-    h, cache = run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, segment_ids, remat)
+    h, cache = run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, segment_ids, remat,
+                          fresh=fresh)
     return lm_logits(params, cfg, h), cache
