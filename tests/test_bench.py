@@ -274,3 +274,15 @@ def test_hf_baseline_without_torch_is_a_one_line_error(family, capsys, monkeypat
                           "--questions", str(family / "q.jsonl"), "--hf-baseline",
                           "--out", str(tmp_path / "o")])
     assert "torch" in err and "pip install -e '.[bench]'" in err
+
+
+@pytest.mark.parametrize("ours,passes", [(52.0, True), (50.0, False)])
+def test_hf_assisted_check_asks_three_times_its_speed(ours, passes):
+    from s2d_jax.bench.report import acceptance_checks
+
+    s2d = {"method": "s2d", "speedup_vs_ar": 1.2, "tokens_per_second": ours,
+           "measured_over_predicted": 1.0, "exact_match_vs_ar": 1.0, "exit_usage": [8]}
+    report = {"targets": {"t": {"num_params": 1, "results": {"0.0": {"s2d-0.5": s2d}},
+                                "hf_baseline": {"assisted": {"tokens_per_second": 17.0}}}}}
+    [check] = [c for c in acceptance_checks(report) if "HF assisted" in c["check"]]
+    assert ">= 3x" in check["check"] and check["pass"] is passes

@@ -269,8 +269,9 @@ def acceptance_checks(report: dict) -> list[dict]:
         if s2d is not None and hf.get("assisted", {}).get("tokens_per_second"):
             ours = g[s2d_label]["tokens_per_second"]
             ratio = ours / hf["assisted"]["tokens_per_second"]
-            checks.append({"check": f"{name}: our S2D tok/s >= 2x HF assisted generation",
-                           "value": f"{ratio:.2f}x", "pass": ratio >= 2.0})
+            # the real-model issue's bar (the demo family's was 2x)
+            checks.append({"check": f"{name}: our S2D tok/s >= 3x HF assisted generation",
+                           "value": f"{ratio:.2f}x", "pass": ratio >= 3.0})
     return checks + chain_checks(report)
 
 
