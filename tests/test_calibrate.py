@@ -115,6 +115,17 @@ def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
         calibrate.predict_config(st, costs, [0.0], 3, (2,))
 
 
+def test_accuracy_by_confidence_by_hand():
+    # exit 1: confident tokens 0 and 1 (one right); exit 2: only token 3, right
+    correct = np.array([[True, False], [False, False], [True, True], [False, True]])
+    conf = np.array([[0.95, 0.1], [0.6, 0.2], [0.2, 0.4], [0.1, 0.8]])
+    got = calibrate.accuracy_by_confidence((1, 2), correct, conf, levels=(0.5, 0.9))
+    assert got["1"]["0.5"] == {"share": 0.5, "accuracy": 0.5}
+    assert got["1"]["0.9"] == {"share": 0.25, "accuracy": 1.0}
+    assert got["2"]["0.5"] == {"share": 0.25, "accuracy": 1.0}
+    assert got["2"]["0.9"] == {"share": 0.0, "accuracy": None}
+
+
 def test_serving_config_roundtrip_and_refusals(tmp_path):
     assert serving_config.load_serving_config(str(tmp_path)) is None
     serving_config.write_serving_config(str(tmp_path), {"thresholds": [0.4, 0.0], "gamma": 3})
@@ -170,6 +181,11 @@ def test_calibrate_cli_writes_a_valid_config(family, capsys):
     assert {r["gamma"] for r in rep["best_predicted_per_setting"]} == {2}
     assert set(rep["exit_accuracy"]) == {"1", "2"}
     assert all(0.0 <= a <= 1.0 for a in rep["exit_accuracy"].values())
+    by_conf = rep["exit_accuracy_by_confidence"]
+    assert set(by_conf) == {"1", "2"}
+    for levels in by_conf.values():  # a higher confidence bar keeps fewer tokens
+        shares = [levels[t]["share"] for t in ("0.3", "0.5", "0.7", "0.9")]
+        assert all(a >= b for a, b in zip(shares, shares[1:])) and 0.0 <= shares[0] <= 1.0
     assert rep["costs"]["settings"]["1,2@2"]["rounds"] == 8  # --probe-rounds
     assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
     assert cfg["stop_threshold"] in (0.0, 0.5)

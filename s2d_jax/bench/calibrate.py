@@ -277,6 +277,22 @@ def pick_stop(rows: list[dict], min_gain: float = 0.0, key: str = "measured_spee
     return best
 
 
+def accuracy_by_confidence(exits, correct: np.ndarray, conf: np.ndarray,
+                           levels=(0.3, 0.5, 0.7, 0.9)) -> dict:
+    """Per exit and confidence level: the share of tokens at least that confident and the
+    exit's greedy accuracy on them. Escalation can pay only where a shallow exit's confident
+    tokens are accurate AND the deeper exit is clearly more accurate on the rest."""
+    out = {}
+    for j, e in enumerate(exits):
+        rows = {}
+        for t in levels:
+            sure = conf[:, j] >= t
+            rows[f"{t:g}"] = {"share": float(sure.mean()),
+                              "accuracy": float(correct[sure, j].mean()) if sure.any() else None}
+        out[str(e)] = rows
+    return out
+
+
 def calibration_report(stats: ExitStats, costs: dict, measured: list[dict], *, target: str,
                        prompts: int) -> dict:
     """Every measured setting (predicted vs measured), the best predicted thresholds of every
@@ -285,9 +301,10 @@ def calibration_report(stats: ExitStats, costs: dict, measured: list[dict], *, t
     best = {}
     for r in rank_configs(stats, costs):  # best first: keep the first of each setting
         best.setdefault(setting_key(r["exits"], r["gamma"]), r)
-    correct = np.concatenate(stats.correct)
+    correct, conf = np.concatenate(stats.correct), np.concatenate(stats.conf)
     return {"target": target, "exits": list(stats.exits), "prompts": prompts,
             "exit_accuracy": dict(zip(map(str, stats.exits), correct.mean(0).tolist())),
+            "exit_accuracy_by_confidence": accuracy_by_confidence(stats.exits, correct, conf),
             "measured": measured,
             "best_predicted_per_setting": [
                 {k: r[k] for k in ("exits", "thresholds", "gamma", "predicted_speedup",
