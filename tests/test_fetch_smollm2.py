@@ -9,6 +9,7 @@ import pytest
 
 from test_gguf import tiny  # noqa: F401  (the module-scoped tiny GGUF fixture)
 
+
 def _fake_wheel(tmp_path, gguf_path):
     from infer import fetch_smollm2
 

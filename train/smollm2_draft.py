@@ -126,8 +126,8 @@ def pack(args, draft_hf: str, log) -> None:
 def calibrate(args, log) -> None:
     from infer import calibrate as calibrate_cli
     calibrate_cli.main(["--target", f"smollm2={args.target}", "--draft", args.out,
-                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "6",
-                        "--max-new-tokens", "64", "--gammas", "1,2,3", "--repeats", "1",
+                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "12",
+                        "--max-new-tokens", "64", "--gammas", "1,2", "--repeats", "1",
                         "--cost-samples", "2", "--probe-rounds", "12", "--cost-every", "3",
                         "--check", "2", "--finalists", "3", "--stops", ""])
     # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
