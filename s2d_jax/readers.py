@@ -7,6 +7,7 @@ Ground level (next to errors.py) so that config.py and every package above can u
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -55,3 +56,12 @@ def read_yaml(path: str, what: str = "config file") -> Any:
     except yaml.YAMLError as e:
         raise S2DError(f"{what} {path} is not valid YAML ({str(e).splitlines()[0]}); "
                        f"fix it") from None
+
+
+def sha256_of(path: str) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

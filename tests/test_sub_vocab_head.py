@@ -57,7 +57,7 @@ def test_soft_loss_on_the_sub_vocabulary_skips_tokens_outside_it():
     batch = {"inputs": jnp.asarray(rng.integers(0, 12, (2, 6)), jnp.int32),
              "targets": jnp.asarray(rng.integers(0, 12, (2, 6)), jnp.int32),
              "loss_mask": jnp.ones((2, 6), jnp.float32)}
-    ce, correct = soft_sums(p, cfg, (3,), batch, head_ids=jnp.asarray(HEAD))
+    ce, correct, _ = soft_sums(p, cfg, (3,), batch, head_ids=jnp.asarray(HEAD))
     h = model.run_layers(p, cfg, model.embed_tokens(p, cfg, batch["inputs"]),
                          jnp.broadcast_to(jnp.arange(6), (2, 6)))[0]
     logits = np.asarray(model.lm_logits(p, cfg, h))[..., HEAD]

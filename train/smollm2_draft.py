@@ -7,13 +7,19 @@ the committed draft pack, calibration.
 1. distill: the target answers training prompts (GSM8K train, self-instruct, ShareGPT;
    never Spec-Bench / MT-bench / GSM8K test) greedily and at T = 1 -> WORK/distill.jsonl
    (token ids; resumes after the last complete batch).
-2. head vocabulary: the --head-vocab most frequent answer tokens (filled up by lowest id)
+2. teacher states (with --kd-weight > 0): the target's final-normed hidden state at every
+   position of those rows -> WORK/teacher (s2d_jax/data/teacher.py), from which the train
+   step recomputes the target's whole distribution over the draft's head.
+3. head vocabulary: the --head-vocab most frequent answer tokens (filled up by lowest id)
    -> WORK/head_vocab.json; the draft's head scores only these.
-3. SoFT (configs/train/smollm2_draft.yaml): the target's first exits[-1] layers, one loss
-   per exit averaged, the tied embedding frozen (shared with the target); resumes from
-   WORK/ckpt.
-4. pack: the draft's own layers and norm (int8) + exits + head vocabulary -> --out.
-5. calibrate: thresholds and gamma on data/smollm2_calibration.jsonl (disjoint from
+4. SoFT (configs/train/smollm2_draft.yaml): the target's first exits[-1] layers, one loss
+   per exit averaged (each (1 - w) CE on the answer tokens + w CE on the target's
+   distribution, w = --kd-weight), the tied embedding frozen (shared with the target);
+   resumes from WORK/ckpt.
+5. pack: the draft's own layers and norm (int8) + exits + head vocabulary -> --out; its
+   exits' teacher-forced agreement with the target on the calibration prompts is printed
+   (python -m infer.agreement).
+6. calibrate: thresholds and gamma on data/smollm2_calibration.jsonl (disjoint from
    Spec-Bench) -> the target's s2d_serving.json.
 """
 
@@ -28,6 +34,9 @@ from s2d_jax.errors import S2DError, cli_main
 
 DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
                               "SmolLM2-135M-Instruct")
+# Distillation on the target's whole distribution: at this CPU budget (300 steps) it
+# measured no better than the answer tokens alone (docs/results.md), so it stays off.
+KD_WEIGHT = 0.0
 # How many prompts of each training file are answered (0 = all of it).
 PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.jsonl": 0,
                 "data/self_instruct_user_oriented.jsonl": 0,
@@ -51,6 +60,9 @@ def parse_args(argv):
                     "T = 1, in the seeded order (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
     ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
+    ap.add_argument("--kd-weight", type=float, default=KD_WEIGHT,
+                    help="share of the loss on the target's whole distribution rather than "
+                    f"its sampled tokens, in [0, 1] (default {KD_WEIGHT})")
     ap.add_argument("--skip-calibration", action="store_true")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
@@ -60,6 +72,8 @@ def parse_args(argv):
                  f"python -m infer.fetch_smollm2 or pass --target DIR")
     if os.path.exists(args.out) and not args.overwrite:
         ap.error(f"{args.out} already exists; pass --overwrite to replace it or choose --out")
+    if not 0.0 <= args.kd_weight <= 1.0:
+        ap.error(f"--kd-weight must lie in [0, 1], got {args.kd_weight}")
     for name in ("distill_batches", "steps", "head_vocab"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -83,7 +97,12 @@ def distill(args, log) -> str:
     return path
 
 
-def soft(args, rows: str, log) -> str:
+def teacher_states(args, rows: str, log) -> str:
+    from s2d_jax.data.teacher import write_teacher_states
+    return write_teacher_states(args.target, rows, os.path.join(args.work, "teacher"), log=log)
+
+
+def soft(args, rows: str, log, teacher: str | None = None) -> str:
     from s2d_jax.data.distill import frequent_tokens
     from s2d_jax.train.config import load_train_config
     from s2d_jax.train.loop import train
@@ -102,6 +121,8 @@ def soft(args, rows: str, log) -> str:
         over.append(f"draft.head_vocab={head}")
     if args.steps:
         over.append(f"optimizer.total_steps={args.steps}")
+    if teacher:
+        over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
     tc = load_train_config("configs/train/smollm2_draft.yaml", over)
     out = train(tc)
     last = out["history"][-1] if out["history"] else None
@@ -121,6 +142,9 @@ def pack(args, draft_hf: str, log) -> None:
                     target_name=os.path.basename(os.path.normpath(args.target)),
                     weights="int8", overwrite=args.overwrite)
     log(f"[pack] wrote {args.out}")
+    from infer import agreement
+    agreement.main(["--target", args.target, "--draft", args.out,
+                    "--out", os.path.join(args.work, "agreement.json")])
 
 
 def calibrate(args, log) -> None:
@@ -147,7 +171,8 @@ def main(argv=None):
         print(msg, flush=True)
 
     rows = distill(args, log)
-    draft_hf = soft(args, rows, log)
+    teacher = teacher_states(args, rows, log) if args.kd_weight > 0 else None
+    draft_hf = soft(args, rows, log, teacher)
     pack(args, draft_hf, log)
     if not args.skip_calibration:
         calibrate(args, log)

@@ -15,7 +15,9 @@ seed and restored exactly from a saved state.
 
 Batch: numpy arrays [per_host_batch, seq_len]: `inputs`, `targets` int32, `loss_mask`
 float32 (0 on padding, prompts), `segment_ids` int32 (0 = padding, 1.. per example in the
-row), `positions` int32 (restart at 0 per example).
+row), `positions` int32 (restart at 0 per example); with `teacher`, also
+`teacher_hidden` float16 [per_host_batch, seq_len, D]: the target's state at each token,
+read from the memory-mapped states after packing (s2d_jax/data/teacher.py).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import numpy as np
 
 from s2d_jax.data import sources as data_sources
 from s2d_jax.data.chat import VICUNA_SYSTEM, MalformedConversation, tokenize_conversation
+from s2d_jax.data.teacher import TeacherStates
 from s2d_jax.errors import S2DError
 
 FORMATS = ("auto", "sharegpt", "text", "tokens")
 FEATURES = ("inputs", "targets", "loss_mask")
+TEACHER_INDEX = "teacher_index"  # per token: its row of the teacher states (data.teacher)
 _WARN_IDS = 5  # how many skipped row ids a warning names
 # First-fit bins filled at once: grain emits all bins when one example fits in none, so
 # few bins pack poorly. The emitted bins are then cut into host batches.
@@ -54,6 +58,9 @@ class DataConfig:
     num_epochs: int = 0  # 0 = repeat forever
     system_prompt: str = ""  # "" = Vicuna default
     worker_count: int = 0
+    # The target's states for the rows of the one tokens file (s2d_jax/data/teacher.py):
+    # batches then carry `teacher_hidden` [B, T, D] for distillation (draft.kd_weight).
+    teacher: str = ""
 
     def __post_init__(self):
         if isinstance(self.paths, (str, list)):  # YAML lists / a single path
@@ -64,6 +71,9 @@ class DataConfig:
         for f, lo in (("seq_len", 2), ("batch_size", 1), ("num_epochs", 0), ("worker_count", 0)):
             if getattr(self, f) < lo:
                 raise S2DError(f"data.{f} must be >= {lo}, got {getattr(self, f)}")
+        if self.teacher and (self.format != "tokens" or len(self.paths) != 1):
+            raise S2DError("data.teacher needs data.format=tokens and one file in data.paths "
+                           "(the rows its states were computed from)")
 
 
 @dataclasses.dataclass
@@ -91,8 +101,10 @@ def build_examples(cfg: DataConfig, tok) -> Examples:
     stats = {"rows": 0, "malformed": 0, "no_learned_tokens": 0, "truncated": 0,
              "examples": 0, "tokens": 0, "learned_tokens": 0}
     skipped: list[str] = []
+    teacher = TeacherStates(cfg.teacher, cfg.paths[0]) if cfg.teacher else None
     for path in cfg.paths:
         if cfg.format == "tokens":
+            # (TeacherStates checked that its states are of this very file)
             for i, row in enumerate(data_sources.load_token_rows(path, tok.vocab_size)):
                 stats["rows"] += 1
                 ids, n = row["input_ids"], row["learn_from"]
@@ -103,7 +115,11 @@ def build_examples(cfg: DataConfig, tok) -> Examples:
                 if not any(mask[1:]):
                     stats["no_learned_tokens"] += 1
                     continue
-                out.append(_shifted(ids, mask))
+                example = _shifted(ids, mask)
+                if teacher is not None:  # row i's states, one per input position
+                    example[TEACHER_INDEX] = (teacher.offsets[i] + np.arange(
+                        len(example["inputs"]))).astype(np.int32)
+                out.append(example)
             continue
         if data_sources.file_format(path, cfg.format) == "text":
             for doc in tok.encode_batch(data_sources.load_text_documents(path), bos=True):
@@ -159,10 +175,13 @@ def _final_names(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """grain's packer names segment ids/positions per feature; keep the inputs' ones."""
     seg = batch.get("inputs_segment_ids", batch.get("segment_ids")).astype(np.int32)
     pos = batch.get("inputs_positions", batch.get("positions")).astype(np.int32)
-    return {"inputs": batch["inputs"].astype(np.int32),
-            "targets": batch["targets"].astype(np.int32),
-            "loss_mask": (batch["loss_mask"] * (seg > 0)).astype(np.float32),
-            "segment_ids": seg, "positions": pos}
+    out = {"inputs": batch["inputs"].astype(np.int32),
+           "targets": batch["targets"].astype(np.int32),
+           "loss_mask": (batch["loss_mask"] * (seg > 0)).astype(np.float32),
+           "segment_ids": seg, "positions": pos}
+    if TEACHER_INDEX in batch:  # padding points at state 0, under loss_mask 0
+        out[TEACHER_INDEX] = batch[TEACHER_INDEX].astype(np.int64)
+    return out
 
 
 class DataIterator:
@@ -173,12 +192,16 @@ class DataIterator:
         self.per_host_batch = per_host_batch
         self.grain_iterator = iter(dataset)
         self._num_batches = None
+        self.teacher = TeacherStates(cfg.teacher) if cfg.teacher else None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next(self.grain_iterator)
+        batch = next(self.grain_iterator)
+        if self.teacher is not None:  # read here, not packed: D numbers per token
+            batch["teacher_hidden"] = self.teacher.gather(batch.pop(TEACHER_INDEX))
+        return batch
 
     def get_state(self) -> dict:
         return self.grain_iterator.get_state()
@@ -226,7 +249,7 @@ def make_dataset(examples: Examples, cfg: DataConfig, process_index: int, proces
     it = ds.to_iter_dataset()
     if cfg.packing:
         it = grain_exp.FirstFitPackIterDataset(
-            it, length_struct={k: cfg.seq_len for k in FEATURES},
+            it, length_struct={k: cfg.seq_len for k in examples.examples[0]},
             num_packing_bins=max(per_host, PACKING_BINS), seed=cfg.seed, shuffle_bins=cfg.shuffle)
     else:
         it = it.map(lambda e: _pad(e, cfg.seq_len))

@@ -36,6 +36,13 @@ class DraftConfig:
     # JSON file with a list of token ids: the draft's head scores only these (a
     # sub-vocabulary head, transformer.sub_vocab_logits); "" = the full vocabulary.
     head_vocab: str = ""
+    # Loss per exit = (1 - kd_weight) CE on the data's tokens + kd_weight CE on the target's
+    # whole distribution (needs data.teacher: states from s2d_jax/data/teacher.py).
+    kd_weight: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise S2DError(f"draft.kd_weight={self.kd_weight} must lie in [0, 1]")
 
     def resolved_exits(self, num_layers: int) -> tuple[int, ...]:
         exits = self.exits or (num_layers,)
@@ -110,8 +117,11 @@ def to_sub_vocab(targets, loss_mask, head_ids, vocab_size: int):
     return jnp.maximum(sub, 0), loss_mask * (sub >= 0)
 
 
-def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=None):
-    """(sum of masked CE, number of masked correct argmax) for one exit's hidden state."""
+def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=None,
+               teacher=None):
+    """(sum of masked CE, number of masked correct argmax, sum of masked distillation CE)
+    for one exit's hidden state; the last is 0 without `teacher` states [B, T, D]."""
+    kd_mask = loss_mask
     if head_ids is None:
         logits = model.lm_logits(params, cfg, h)
     else:
@@ -119,7 +129,21 @@ def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=N
         targets, loss_mask = to_sub_vocab(targets, loss_mask, head_ids, cfg.vocab_size)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-    return jnp.sum(ce * loss_mask), jnp.sum(correct * loss_mask)
+    kd = jnp.zeros(())
+    if teacher is not None:
+        # The target's distribution over the same (sub-)vocabulary, from its final-normed
+        # states and the shared frozen head: every token of the head is a target, so a
+        # masked position teaches even when its sampled token lies outside the head.
+        rows = jax.lax.stop_gradient(model.head_rows({**params, "head_ids": head_ids})
+                                     if head_ids is not None else _full_head(params))
+        t_logits = jnp.einsum("...D,VD->...V", teacher.astype(jnp.float32),
+                              rows.astype(jnp.float32))
+        kd = jnp.sum(optax.softmax_cross_entropy(logits, jax.nn.softmax(t_logits)) * kd_mask)
+    return jnp.sum(ce * loss_mask), jnp.sum(correct * loss_mask), kd
+
+
+def _full_head(params: dict) -> jnp.ndarray:
+    return params["lm_head"].T if "lm_head" in params else params["embed"]
 
 
 # Saves only the exit's hidden state for the backward pass; the logits are recomputed.
@@ -128,19 +152,23 @@ _exit_sums_remat = jax.checkpoint(_exit_sums, static_argnums=(1,))
 
 def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none",
               head_ids=None):
-    """Per-exit (CE sums [E], correct counts [E]) over the masked tokens of `batch`.
+    """Per-exit (CE sums [E], correct counts [E], distillation CE sums [E]) over the masked
+    tokens of `batch`.
 
     `batch` holds `inputs`, `targets` int32 [B, T], `loss_mask` float [B, T] and optionally
-    `positions`, `segment_ids` [B, T]. Sums (not means) so micro-batches add up exactly.
-    `head_ids` [V']: score a sub-vocabulary head (tokens outside it leave the loss).
+    `positions`, `segment_ids` [B, T] and `teacher_hidden` [B, T, D] (the target's
+    final-normed states, s2d_jax/data/teacher.py: distillation on its whole distribution).
+    Sums (not means) so micro-batches add up exactly.
+    `head_ids` [V']: score a sub-vocabulary head (tokens outside it leave the hard CE).
     """
     hidden = multi_exit_hidden(params, cfg, exits, batch["inputs"], batch.get("positions"),
                                batch.get("segment_ids"), remat)
     mask = batch["loss_mask"].astype(jnp.float32)
+    teacher = batch.get("teacher_hidden")
     # A scan over the exits (not a Python loop): the LM head is gathered and its gradient
     # accumulated once per iteration instead of being materialised once per exit.
     return jax.lax.map(lambda h: _exit_sums_remat(params, cfg, h, batch["targets"], mask,
-                                                  head_ids), jnp.stack(hidden))
+                                                  head_ids, teacher), jnp.stack(hidden))
 
 
 def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
@@ -150,7 +178,7 @@ def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
     Returns (loss, {"loss", "exit_loss" [E], "exit_acc" [E], "tokens"}).
     """
     weights = jnp.asarray(weights if weights is not None else (1.0,) * len(exits), jnp.float32)
-    ce, correct = soft_sums(params, cfg, exits, batch, remat)
+    ce, correct, _ = soft_sums(params, cfg, exits, batch, remat)
     tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
     exit_loss = ce / tokens
     loss = jnp.sum(weights * exit_loss) / jnp.sum(weights)

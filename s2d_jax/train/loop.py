@@ -70,13 +70,13 @@ def draft_of_target(full: ModelConfig, tc: TrainConfig):
 
 @functools.lru_cache(maxsize=8)
 def build_step(cfg: ModelConfig, exits, weights, opt: OptimizerConfig, total_steps: int, mesh,
-               remat: str, head_ids: tuple[int, ...] | None = None):
+               remat: str, head_ids: tuple[int, ...] | None = None, kd_weight: float = 0.0):
     """(optimizer, state shardings, jitted init, jitted step), cached on the (hashable) settings so that
     runs in one process (tests, benchmarks) reuse the compiled step."""
     tx, schedule = make_optimizer(opt, total_steps)
     shardings = state_shardings(cfg, mesh, tx)
     step_fn = make_train_step(cfg, exits, weights, tx, schedule, mesh, shardings,
-                              opt.grad_accum_steps, remat, opt.frozen, head_ids)
+                              opt.grad_accum_steps, remat, opt.frozen, head_ids, kd_weight)
     return tx, shardings, make_init_fn(tx, shardings), step_fn
 
 
@@ -104,6 +104,18 @@ def check_batch(tc: TrainConfig) -> None:
     if b % a or (b // a) % rows:
         raise S2DError(f"data.batch_size={b} must split into grad_accum_steps={a} micro-batches "
                        f"whose size is a multiple of mesh data x fsdp = {rows}")
+
+
+def check_teacher(tc: TrainConfig, cfg: ModelConfig, iterator) -> None:
+    """Distillation on the target's distribution needs its states, of the draft's width."""
+    teacher = getattr(iterator, "teacher", None)
+    if tc.draft.kd_weight > 0 and teacher is None:
+        raise S2DError(f"draft.kd_weight={tc.draft.kd_weight} needs data.teacher (the target's "
+                       f"states, s2d_jax/data/teacher.py); set it or draft.kd_weight=0")
+    if teacher is not None and teacher.dim != cfg.hidden_size:
+        raise S2DError(f"data.teacher {tc.data.teacher} holds states of width {teacher.dim}, "
+                       f"the draft's hidden size is {cfg.hidden_size}; compute them with the "
+                       f"draft's own target")
 
 
 def _total_steps(tc: TrainConfig, iterator) -> int:
@@ -145,6 +157,7 @@ def _record(step, m, dt, tokens, fingerprint, exits) -> dict:
     return {"step": step, "loss": float(m["loss"]),
             "exit_loss": {str(e): float(x) for e, x in zip(exits, m["exit_loss"])},
             "exit_acc": {str(e): float(x) for e, x in zip(exits, m["exit_acc"])},
+            "exit_kd": {str(e): float(x) for e, x in zip(exits, m["exit_kd"])},
             "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
             "loss_tokens": float(m["tokens"]), "tokens_per_s": tokens / max(dt, 1e-9),
             "batch_fingerprint": fingerprint}
@@ -170,11 +183,12 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
                            f"the model's vocab_size is {cfg.vocab_size}; use the model's tokenizer")
     iterator = make_train_iterator(tc.data, cfg.vocab_size, tc.synthetic_data,
                                    jax.process_index(), jax.process_count(), tokenizer)
+    check_teacher(tc, cfg, iterator)
     total_steps = _total_steps(tc, iterator)
     head_ids = (read_head_vocab(tc.draft.head_vocab, cfg.vocab_size) if tc.draft.head_vocab
                 else None)
     tx, shardings, init_fn, step_fn = build_step(cfg, exits, weights, tc.optimizer, total_steps,
-                                                  mesh, tc.remat, head_ids)
+                                                  mesh, tc.remat, head_ids, tc.draft.kd_weight)
 
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,

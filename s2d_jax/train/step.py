@@ -24,6 +24,7 @@ from s2d_jax.model.sorted_draft import soft_sums
 from s2d_jax.train.config import OptimizerConfig
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
+TEACHER_KEY = "teacher_hidden"  # [B, T, D] target states, with data.teacher (logit KD)
 
 
 @struct.dataclass
@@ -115,11 +116,12 @@ def make_init_fn(tx, shardings: TrainState):
 def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[float, ...], tx,
                     schedule, mesh: Mesh, shardings: TrainState, grad_accum_steps: int = 1,
                     remat: str = "none", frozen: tuple[str, ...] = (),
-                    head_ids: tuple[int, ...] | None = None):
+                    head_ids: tuple[int, ...] | None = None, kd_weight: float = 0.0):
     """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics).
 
     `frozen`: param paths whose gradients are not computed (see make_optimizer);
-    `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums)."""
+    `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums); `kd_weight`: the
+    share of distillation on the target's distribution (batches then carry TEACHER_KEY)."""
     w = jnp.asarray(weights, jnp.float32)
     A = grad_accum_steps
     micro_sharding = NamedSharding(mesh, spec((None, "batch", "seq")))
@@ -127,17 +129,18 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
 
     def loss_fn(params, micro, total_tokens):
         params = stop_frozen_gradients(params, frozen)
-        ce, correct = soft_sums(params, cfg, exits, micro, remat,
-                                None if head is None else jnp.asarray(head))
-        loss = jnp.sum(w * ce) / total_tokens / jnp.sum(w)
-        return loss, (ce, correct)
+        ce, correct, kd = soft_sums(params, cfg, exits, micro, remat,
+                                    None if head is None else jnp.asarray(head))
+        per_exit = (1.0 - kd_weight) * ce + kd_weight * kd
+        loss = jnp.sum(w * per_exit) / total_tokens / jnp.sum(w)
+        return loss, (ce, correct, kd)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: dict):
         total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         if A == 1:
-            (loss, (ce, correct)), grads = grad_fn(state.params, batch, total_tokens)
+            (loss, (ce, correct, kd)), grads = grad_fn(state.params, batch, total_tokens)
         else:
             # Row r*A + a goes to micro-batch a: each micro-batch keeps an even share of
             # every device's rows, so splitting needs no communication.
@@ -149,22 +152,23 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
             micro = {k: split(v) for k, v in batch.items()}
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             E = len(exits)
-            init = (zeros, jnp.zeros(()), jnp.zeros((E,)), jnp.zeros((E,)))
+            init = (zeros, jnp.zeros(()), jnp.zeros((E,)), jnp.zeros((E,)), jnp.zeros((E,)))
 
             def body(carry, mb):
-                g_acc, l_acc, ce_acc, c_acc = carry
-                (l, (ce, c)), g = grad_fn(state.params, mb, total_tokens)
+                g_acc, l_acc, ce_acc, c_acc, kd_acc = carry
+                (l, (ce, c, kd)), g = grad_fn(state.params, mb, total_tokens)
                 g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
                 # Keep the float32 accumulator sharded like the params (not gathered).
                 g_acc = jax.lax.with_sharding_constraint(g_acc, shardings.params)
-                return (g_acc, l_acc + l, ce_acc + ce, c_acc + c), None
+                return (g_acc, l_acc + l, ce_acc + ce, c_acc + c, kd_acc + kd), None
 
-            (grads, loss, ce, correct), _ = jax.lax.scan(body, init, micro)
+            (grads, loss, ce, correct, kd), _ = jax.lax.scan(body, init, micro)
             grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "exit_loss": ce / total_tokens, "exit_acc": correct / total_tokens,
+                   "exit_kd": kd / total_tokens,
                    "grad_norm": grad_norm, "lr": schedule(state.step), "tokens": total_tokens}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
@@ -176,4 +180,5 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
 def global_batch(batch: dict, mesh: Mesh) -> dict:
     """Per-host numpy rows -> global jax arrays sharded on the batch axis."""
     sh = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sh, batch[k]) for k in BATCH_KEYS}
+    keys = BATCH_KEYS + ((TEACHER_KEY,) if TEACHER_KEY in batch else ())
+    return {k: jax.make_array_from_process_local_data(sh, batch[k]) for k in keys}

@@ -1,0 +1,136 @@
+"""How often each exit of one or more sorted drafts agrees with its target, teacher-forced.
+
+    python -m infer.agreement --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \\
+        --draft models/smollm2-draft --draft runs/smollm2_draft/pack \\
+        --questions data/smollm2_calibration.jsonl --max-prompts 12
+
+The target answers the questions' first turns greedily (one batch); every draft then reads
+the same answers in one forward pass and predicts each next token at each of its exits.
+Printed per draft and exit: the fraction of answer tokens whose greedy prediction is the
+target's (greedy SD at gamma 1 accepts 1 + that many tokens per round, Lemma 3.1), the mean
+chance that speculative sampling at T = 1 accepts the exit's draft there (sum_v min(p, q),
+on the same greedy contexts) and how often the exit's confidence reaches 0.5. Minutes, against a benchmark's hour: for comparing
+drafts and exits, not for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infer.args import ArgumentParser, check_at_least, check_output_path
+from s2d_jax.errors import S2DError, cli_main
+
+
+def parse_args(argv):
+    ap = ArgumentParser(prog="python -m infer.agreement", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="the target (HF dir, checkpoint, .gguf)")
+    ap.add_argument("--draft", action="append", required=True,
+                    help="a sorted draft (pack or model dir); repeat to compare drafts")
+    ap.add_argument("--questions", default="data/smollm2_calibration.jsonl")
+    ap.add_argument("--max-prompts", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"))
+    ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
+    args = ap.parse_args(argv)
+    check_at_least(args, {"max_prompts": 1, "max_new_tokens": 2})
+    if args.out:
+        check_output_path(args.out)
+    return args
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "d_cfg", "exits"))
+def _overlap(params, d_params, tokens, *, cfg, d_cfg, exits):
+    """sum_v min(p_v, q_v) per position and exit [B, T, m]: the chance that speculative
+    sampling at T = 1 accepts a token the exit drafts there."""
+    from s2d_jax.model import transformer as model
+    from s2d_jax.model.sorted_draft import multi_exit_logits
+    p = jax.nn.softmax(model.forward(params, cfg, tokens)[0], -1)
+    return jnp.stack([jnp.sum(jnp.minimum(p, jax.nn.softmax(lg, -1)), -1)
+                      for lg in multi_exit_logits(d_params, d_cfg, exits, tokens)], -1)
+
+
+def sampling_acceptance(cfg, params, d_cfg, d_params, exits, prompts, answers):
+    """Per exit: the mean T = 1 acceptance chance over the answer tokens (as exit_stats,
+    the draft predicting answer token k + 1 from the target's context)."""
+    from s2d_jax.decode.defaults import round_up
+    d_cfg = dataclasses.replace(d_cfg, num_layers=exits[-1])
+    out = []
+    for p, a in zip(prompts, answers):
+        seq = list(p) + list(a)
+        # padded to a multiple of 64 (causal: padding changes no earlier position), not to
+        # the decode buffer: the full-vocabulary softmaxes are most of the cost
+        arr = np.zeros((1, round_up(len(seq), 64)), np.int32)
+        arr[0, :len(seq)] = seq
+        ov = np.asarray(_overlap(params, d_params, jnp.asarray(arr), cfg=cfg, d_cfg=d_cfg,
+                                 exits=tuple(exits)))
+        out.append(ov[0, len(p):len(seq) - 1])
+    return np.concatenate(out).mean(0)
+
+
+def exit_agreement(stats, accept_t1=None) -> list[dict]:
+    """Per exit of calibrate.ExitStats: greedy agreement and confidence over answer tokens
+    (and the T = 1 acceptance chance, when given)."""
+    correct = np.concatenate(stats.correct)
+    conf = np.concatenate(stats.conf)
+    return [{"exit": int(e), "tokens": int(correct.shape[0]),
+             "agreement": float(correct[:, j].mean()),
+             "accept_t1": None if accept_t1 is None else float(accept_t1[j]),
+             "confident": float((conf[:, j] >= 0.5).mean()),
+             "agreement_when_confident": (float(correct[conf[:, j] >= 0.5, j].mean())
+                                          if (conf[:, j] >= 0.5).any() else None)}
+            for j, e in enumerate(stats.exits)]
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    from s2d_jax.bench.calibrate import exit_stats
+    from s2d_jax.data.prompts import (encode_questions, end_of_turn_id, read_questions,
+                                      resolve_template)
+    from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.draft_pack import load_draft
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.target)
+    template, _ = resolve_template(tok, args.chat_template, fallback="none")
+    prompts = encode_questions(tok, read_questions(args.questions, None, args.max_prompts),
+                               template)
+    cfg, params, _ = load_model(args.target, dtype="float32")
+    width = prompt_width(max(len(p) for p in prompts))
+    max_len = buffer_len(width, args.max_new_tokens, 1, cfg.max_position_embeddings)
+    answers = Decoder(cfg, params, method="ar").generate(
+        prompts, max_new_tokens=args.max_new_tokens, eos_id=end_of_turn_id(tok, template),
+        max_len=max_len)
+    report = {"questions": args.questions, "prompts": len(prompts), "drafts": {}}
+    for path in args.draft:
+        d_cfg, d_params, extra = load_draft(path, params, dtype="float32")
+        if d_cfg.vocab_size != cfg.vocab_size:
+            raise S2DError(f"draft {path} has vocab_size {d_cfg.vocab_size}, the target "
+                           f"{cfg.vocab_size}; use a draft of this target")
+        exits = draft_exits(extra, d_cfg)
+        ids = [a["token_ids"] for a in answers]
+        stats = exit_stats(d_cfg, d_params, exits, prompts, ids, max_len)
+        rows = exit_agreement(stats, sampling_acceptance(cfg, params, d_cfg, d_params, exits,
+                                                         prompts, ids))
+        report["drafts"][path] = rows
+        print(f"{path}: " + ", ".join(
+            f"exit {r['exit']} {r['agreement']:.3f} (T = 1: {r['accept_t1']:.3f}; "
+            f"conf >= 0.5 on {r['confident']:.2f})" for r in rows)
+            + f"  [{rows[0]['tokens']} answer tokens]", flush=True)
+    if args.out:
+        from s2d_jax.io.atomic import write_atomic
+        write_atomic(args.out, json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The target's output states for distilling a draft on its full distribution (logit KD).
+
+For every token row of a distillation file (`s2d_jax/data/distill.py`'s JSON lines), the
+target's final-normed hidden state x at each input position (ids[:-1]) is stored, float16,
+in one [tokens, D] `.npy` array (rows one after another) beside a JSON index. The target's
+logits are x @ E^T with its (tied, frozen) embedding E, which the draft shares: the train
+step recomputes the teacher's distribution over the draft head's vocabulary from x at the
+cost of one sub-vocabulary head, so a run stores D numbers per token instead of V logits
+and reads any head vocabulary from the same file.
+
+    states = TeacherStates(path)     # memory-mapped
+    x = states.gather(index)         # index [...] int -> [..., D] float16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from s2d_jax.errors import S2DError
+from s2d_jax.readers import sha256_of
+
+META = "teacher_states.json"
+STATES = "teacher_states.npy"
+BUCKET = 64  # rows are padded to multiples of this: few compiled shapes
+
+
+def row_offsets(lengths) -> np.ndarray:
+    """Start of each row's states: row i's input positions are offsets[i] + arange(len_i - 1)."""
+    return np.concatenate([[0], np.cumsum([n - 1 for n in lengths])]).astype(np.int64)
+
+
+class TeacherStates:
+    """A written teacher-states dir, checked against the token rows it was computed from."""
+
+    def __init__(self, path: str, rows_path: str | None = None):
+        meta_path = os.path.join(path, META)
+        if not os.path.isfile(meta_path):
+            raise S2DError(f"{path} holds no {META}; write it with "
+                           f"s2d_jax.data.teacher.write_teacher_states (python -m "
+                           f"train.smollm2_draft does) or unset data.teacher")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        if rows_path is not None and self.meta["rows_sha256"] != sha256_of(rows_path):
+            raise S2DError(f"teacher states {path} were computed from another version of "
+                           f"{rows_path}; rewrite them (delete {path})")
+        self.states = np.load(os.path.join(path, STATES), mmap_mode="r")
+        self.offsets = np.asarray(self.meta["offsets"], np.int64)
+        if self.states.shape[0] != self.offsets[-1]:
+            raise S2DError(f"{path}/{STATES} has {self.states.shape[0]} states, its index "
+                           f"{self.offsets[-1]}: the file is incomplete; delete {path}")
+
+    @property
+    def dim(self) -> int:
+        return int(self.states.shape[1])
+
+    def gather(self, index: np.ndarray) -> np.ndarray:
+        flat = np.asarray(index, np.int64).reshape(-1)
+        return np.asarray(self.states[flat]).reshape(*np.shape(index), self.dim)
+
+
+def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
+                         batch_tokens: int = 4096, log=print) -> str:
+    """Run the target over every row of `rows_path`, store its final-normed hidden states
+    under `out_dir`. Idempotent: an existing complete dir for the same rows is kept."""
+    import jax
+    import jax.numpy as jnp
+
+    from s2d_jax.data.sources import load_token_rows
+    from s2d_jax.io.atomic import write_atomic
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.model import transformer as model
+
+    sha = sha256_of(rows_path)
+    meta_path = os.path.join(out_dir, META)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            if json.load(f).get("rows_sha256") == sha:
+                log(f"[teacher] {out_dir} is up to date")
+                return out_dir
+    cfg, params, _ = load_model(target_dir, dtype="float32")
+    rows = [r["input_ids"] for r in load_token_rows(rows_path, cfg.vocab_size)]
+    if not rows or min(len(r) for r in rows) < 2:
+        raise S2DError(f"{rows_path} needs rows of at least 2 tokens")
+    offsets = row_offsets([len(r) for r in rows])
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, STATES + ".tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                    shape=(int(offsets[-1]), cfg.hidden_size))
+
+    @jax.jit
+    def states(params, tokens):
+        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        h, _ = model.run_layers(params, cfg, model.embed_tokens(params, cfg, tokens), pos)
+        return model.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float16)
+
+    # Rows by length, padded at the end to a multiple of BUCKET (causal: padding after a
+    # row's tokens changes none of its states), about batch_tokens tokens per call.
+    order = np.argsort([len(r) for r in rows], kind="stable")
+    i, done = 0, 0
+    while i < len(order):
+        first = -(-(len(rows[order[i]]) - 1) // BUCKET) * BUCKET
+        group = order[i:i + max(1, batch_tokens // first)]
+        width = -(-(len(rows[group[-1]]) - 1) // BUCKET) * BUCKET  # the longest of them
+        tokens = np.zeros((len(group), width), np.int32)
+        for b, j in enumerate(group):
+            tokens[b, :len(rows[j]) - 1] = rows[j][:-1]
+        x = np.asarray(states(params, tokens))
+        for b, j in enumerate(group):
+            out[offsets[j]:offsets[j + 1]] = x[b, :len(rows[j]) - 1]
+        i += len(group)
+        done += sum(len(rows[j]) - 1 for j in group)
+        log(f"[teacher] {i}/{len(rows)} rows, {done} states")
+    out.flush()
+    del out
+    os.replace(tmp, os.path.join(out_dir, STATES))
+    write_atomic(meta_path, json.dumps({"rows_sha256": sha, "rows": rows_path,
+                                        "target": target_dir, "dim": cfg.hidden_size,
+                                        "offsets": offsets.tolist()}))
+    return out_dir
