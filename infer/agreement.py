@@ -9,8 +9,9 @@ the same answers in one forward pass and predicts each next token at each of its
 Printed per draft and exit: the fraction of answer tokens whose greedy prediction is the
 target's (greedy SD at gamma 1 accepts 1 + that many tokens per round, Lemma 3.1), the mean
 chance that speculative sampling at T = 1 accepts the exit's draft there (sum_v min(p, q),
-on the same greedy contexts) and how often the exit's confidence reaches 0.5. Minutes, against a benchmark's hour: for comparing
-drafts and exits, not for speed.
+on the same greedy contexts), how often the exit's confidence reaches 0.5, and each deeper
+exit's agreement gain over the one before it, paired on the same tokens with its standard
+error. Minutes, against a benchmark's hour: for comparing drafts and exits, not for speed.
 """
 
 from __future__ import annotations
@@ -46,33 +47,74 @@ def parse_args(argv):
     return args
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "d_cfg", "exits"))
-def _overlap(params, d_params, tokens, *, cfg, d_cfg, exits):
-    """sum_v min(p_v, q_v) per position and exit [B, T, m]: the chance that speculative
-    sampling at T = 1 accepts a token the exit drafts there."""
+@functools.partial(jax.jit, static_argnames=("cfg", "rows"))
+def _target_probs(params, tokens, start, *, cfg, rows):
+    """The target's next-token distributions at positions start .. start + rows - 1."""
     from s2d_jax.model import transformer as model
+    logits = jax.lax.dynamic_slice_in_dim(model.forward(params, cfg, tokens)[0][0], start, rows)
+    return jax.nn.softmax(logits, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("d_cfg", "exits"))
+def _overlap(d_params, tokens, start, p, *, d_cfg, exits):
+    """sum_v min(p_v, q_v) per answer position and exit [rows, m]: the chance that
+    speculative sampling at T = 1 accepts a token the exit drafts there (p: the target's
+    distributions at those positions)."""
     from s2d_jax.model.sorted_draft import multi_exit_logits
-    p = jax.nn.softmax(model.forward(params, cfg, tokens)[0], -1)
-    return jnp.stack([jnp.sum(jnp.minimum(p, jax.nn.softmax(lg, -1)), -1)
-                      for lg in multi_exit_logits(d_params, d_cfg, exits, tokens)], -1)
+    return jnp.stack([jnp.sum(jnp.minimum(p, jax.nn.softmax(
+        jax.lax.dynamic_slice_in_dim(lg[0], start, p.shape[0]), -1)), -1)
+        for lg in multi_exit_logits(d_params, d_cfg, exits, tokens)], -1)
 
 
-def sampling_acceptance(cfg, params, d_cfg, d_params, exits, prompts, answers):
+def _padded(seq, rows):
+    """seq padded to a multiple of 64 with room for `rows` positions after the prompt
+    (causal: padding changes no earlier position), not to the decode buffer: the
+    full-vocabulary softmaxes are most of the cost."""
+    from s2d_jax.decode.defaults import round_up
+    arr = np.zeros((1, round_up(len(seq) + rows, 64)), np.int32)
+    arr[0, :len(seq)] = seq
+    return jnp.asarray(arr)
+
+
+def target_distributions(cfg, params, prompts, answers, rows: int) -> list[np.ndarray]:
+    """Per prompt: the target's distributions over the answer positions [rows, V] (rows >=
+    the longest answer; computed once and shared by every draft compared)."""
+    return [np.asarray(_target_probs(params, _padded(list(p) + list(a), rows),
+                                     len(p), cfg=cfg, rows=rows))
+            for p, a in zip(prompts, answers)]
+
+
+def sampling_acceptance(d_cfg, d_params, exits, prompts, answers, target_p) -> np.ndarray:
     """Per exit: the mean T = 1 acceptance chance over the answer tokens (as exit_stats,
     the draft predicting answer token k + 1 from the target's context)."""
-    from s2d_jax.decode.defaults import round_up
     d_cfg = dataclasses.replace(d_cfg, num_layers=exits[-1])
     out = []
-    for p, a in zip(prompts, answers):
-        seq = list(p) + list(a)
-        # padded to a multiple of 64 (causal: padding changes no earlier position), not to
-        # the decode buffer: the full-vocabulary softmaxes are most of the cost
-        arr = np.zeros((1, round_up(len(seq), 64)), np.int32)
-        arr[0, :len(seq)] = seq
-        ov = np.asarray(_overlap(params, d_params, jnp.asarray(arr), cfg=cfg, d_cfg=d_cfg,
-                                 exits=tuple(exits)))
-        out.append(ov[0, len(p):len(seq) - 1])
+    for p, a, tp in zip(prompts, answers, target_p):
+        ov = np.asarray(_overlap(d_params, _padded(list(p) + list(a), tp.shape[0]), len(p),
+                                 jnp.asarray(tp), d_cfg=d_cfg, exits=tuple(exits)))
+        out.append(ov[:len(a) - 1])
     return np.concatenate(out).mean(0)
+
+
+def paired_gain(stats, j: int) -> tuple[float, float]:
+    """Exit j's greedy agreement minus exit j - 1's on the same tokens, and its standard
+    error clustered by prompt (tokens of one answer are not independent)."""
+    d = [c[:, j].astype(np.float64) - c[:, j - 1] for c in stats.correct]
+    n = sum(len(x) for x in d)
+    mean = sum(x.sum() for x in d) / n
+    return float(mean), float(np.sqrt(sum((x - mean).sum() ** 2 for x in d)) / n)
+
+
+def measurable_exits(rows: list[dict], z: float = 2.0) -> list[int]:
+    """The exits from the first up to (not past) the first one whose paired agreement gain
+    over the exit before it is not at least z standard errors above zero: each kept exit
+    is accepted measurably more often than the cheaper one before it."""
+    kept = [rows[0]["exit"]]
+    for r in rows[1:]:
+        if not r["gain_over_previous"] > z * r["gain_se"]:
+            break
+        kept.append(r["exit"])
+    return kept
 
 
 def exit_agreement(stats, accept_t1=None) -> list[dict]:
@@ -111,6 +153,8 @@ def main(argv=None):
     answers = Decoder(cfg, params, method="ar").generate(
         prompts, max_new_tokens=args.max_new_tokens, eos_id=end_of_turn_id(tok, template),
         max_len=max_len)
+    ids = [a["token_ids"] for a in answers]
+    target_p = target_distributions(cfg, params, prompts, ids, args.max_new_tokens)
     report = {"questions": args.questions, "prompts": len(prompts), "drafts": {}}
     for path in args.draft:
         d_cfg, d_params, extra = load_draft(path, params, dtype="float32")
@@ -118,15 +162,20 @@ def main(argv=None):
             raise S2DError(f"draft {path} has vocab_size {d_cfg.vocab_size}, the target "
                            f"{cfg.vocab_size}; use a draft of this target")
         exits = draft_exits(extra, d_cfg)
-        ids = [a["token_ids"] for a in answers]
         stats = exit_stats(d_cfg, d_params, exits, prompts, ids, max_len)
-        rows = exit_agreement(stats, sampling_acceptance(cfg, params, d_cfg, d_params, exits,
-                                                         prompts, ids))
+        rows = exit_agreement(stats, sampling_acceptance(d_cfg, d_params, exits, prompts, ids,
+                                                         target_p))
+        for j in range(1, len(rows)):
+            rows[j]["gain_over_previous"], rows[j]["gain_se"] = paired_gain(stats, j)
         report["drafts"][path] = rows
         print(f"{path}: " + ", ".join(
             f"exit {r['exit']} {r['agreement']:.3f} (T = 1: {r['accept_t1']:.3f}; "
             f"conf >= 0.5 on {r['confident']:.2f})" for r in rows)
             + f"  [{rows[0]['tokens']} answer tokens]", flush=True)
+        if len(rows) > 1:
+            print("  deeper exit minus the one before, paired (s.e. by prompt): " + ", ".join(
+                f"{r['exit']} - {q['exit']}: {r['gain_over_previous']:+.3f} "
+                f"({r['gain_se']:.3f})" for q, r in zip(rows, rows[1:])), flush=True)
     if args.out:
         from s2d_jax.io.atomic import write_atomic
         write_atomic(args.out, json.dumps(report, indent=1))

@@ -139,11 +139,14 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError("method self needs --exit (how many target layers draft)")
         exits = [args.exit]
     if exits is not None and thresholds is None:
-        from s2d_jax.decode.serving_config import load_serving_config
+        from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
         for name, s in specs.items():
             served = load_serving_config(targets[name]) if args.method == "s2d" else None
             if served is not None and list(served.get("exits") or exits) == list(exits):
                 # calibrated by python -m infer.calibrate for this target and these exits
+                note = slower_than_ar_note(served, targets[name])
+                if note:
+                    print(note, file=sys.stderr)
                 s.thresholds = served["thresholds"]
                 s.gamma = served["gamma"] if args.gamma is None else args.gamma
                 if args.draft_stop is None:

@@ -3,6 +3,8 @@
 import json
 import os
 
+import pytest
+
 from infer import agreement
 from tiny_models import cli_error
 
@@ -18,7 +20,8 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
                     QUESTIONS, "--max-prompts", "3", "--max-new-tokens", "16",
                     "--chat-template", "none", "--out", str(out)])
     printed = capsys.readouterr().out
-    assert printed.count("exit ") == 6  # 3 exits, the draft twice
+    lines = [ln for ln in printed.splitlines() if ln.startswith(DRAFT)]
+    assert [ln.count("exit ") for ln in lines] == [3, 3]  # 3 exits, the draft twice
     report = json.loads(out.read_text())
     rows = report["drafts"][DRAFT]
     assert [r["exit"] for r in rows] == [1, 2, 3]
@@ -28,6 +31,11 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
     assert max(r["agreement"] for r in rows) > 0.5
     assert f"exit 1 {rows[0]['agreement']:.3f}" in printed
     assert all(0.0 <= r["accept_t1"] <= 1.0 for r in rows)
+    # paired on the same tokens: a deeper exit's gain is the difference of the agreements
+    for prev, r in zip(rows, rows[1:]):
+        assert r["gain_over_previous"] == pytest.approx(r["agreement"] - prev["agreement"])
+        assert r["gain_se"] >= 0.0
+    assert "3 - 2: " in printed
 
 
 def test_the_target_as_its_own_draft_agrees_everywhere(tmp_path):
@@ -47,3 +55,15 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     err = cli_error(agreement.main, capsys, ["--target", TARGET, "--draft", DRAFT,
                                              "--max-prompts", "0"])
     assert "--max-prompts" in err
+
+
+def test_measurable_exits_stop_at_the_first_exit_without_a_clear_gain():
+    def rows(*gains):
+        out = [{"exit": 2}]
+        for k, (g, se) in enumerate(gains):
+            out.append({"exit": 4 + 2 * k, "gain_over_previous": g, "gain_se": se})
+        return out
+    assert agreement.measurable_exits(rows((0.03, 0.006), (0.004, 0.005), (0.05, 0.01))) == [2, 4]
+    assert agreement.measurable_exits(rows((0.01, 0.006))) == [2]
+    assert agreement.measurable_exits(rows((0.02, 0.005), (0.02, 0.005))) == [2, 4, 6]
+    assert agreement.measurable_exits(rows()) == [2]

@@ -324,3 +324,18 @@ def test_derive_subset_costs_from_single_exits_and_the_whole_set():
     # the draft's prefill runs up to the subset's deepest exit
     assert out["1,2@2"]["prefill_s"] == 0.6 and out["1,2@2"]["derived"]
     assert calibrate.probed_subsets((1, 2, 3)) == [(1,), (2,), (3,), (1, 2, 3)]
+
+
+def test_exit_stats_do_not_depend_on_the_padded_width():
+    """exit_stats pads each trajectory to a 64 bucket (at most `width`): causal attention
+    leaves every prediction as it is at the tightest width."""
+    from s2d_jax.decode.serving import Decoder
+    from test_engine import CFG, NEW, PROMPTS, draft, target_params
+
+    dcfg, dparams = draft()
+    conts = [o["token_ids"] for o in Decoder(CFG, target_params(), method="ar").generate(
+        PROMPTS, max_new_tokens=NEW, eos_id=-1)]
+    tight = calibrate.exit_stats(dcfg, dparams, (1, 2, 3), PROMPTS, conts, 48)
+    wide = calibrate.exit_stats(dcfg, dparams, (1, 2, 3), PROMPTS, conts, 512)
+    for a, b in zip(tight.correct + tight.conf, wide.correct + wide.conf):
+        np.testing.assert_allclose(a, b, atol=1e-5)

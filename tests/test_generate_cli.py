@@ -136,3 +136,20 @@ def test_cli_streams_single_prompt(models, capsys):
     ref = greedy_reference(target, tok.encode(vicuna_prompt(["Say hi."])), 6)
     eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
     assert printed.strip() == tok.decode(ref[:eos_cut]).strip()
+
+
+def test_a_calibration_slower_than_ar_is_noted(models, capsys, tmp_path):
+    import shutil
+
+    from s2d_jax.decode.serving_config import write_serving_config
+    root, _ = models
+    target = tmp_path / "target"
+    shutil.copytree(root / "target", target)
+    argv = ["--target", str(target), "--draft", str(root / "draft"), "--method", "s2d",
+            "--max-new-tokens", "4", "--prompt", "Say hi."]
+    for measured, noted in ((0.89, True), (1.2, False)):
+        write_serving_config(str(target), {"exits": [1, 2], "thresholds": [0.3, 0.0],
+                                           "gamma": 2, "measured_speedup": measured})
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert ("measured 0.89x of AR" in err and "--method ar" in err) == noted, err

@@ -8,8 +8,8 @@ import pytest
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.model.sorted_draft import (DraftConfig, multi_exit_hidden, multi_exit_logits, soft_loss,
-                                  validate_exits)
+from s2d_jax.model.sorted_draft import (DraftConfig, draft_prefix, multi_exit_hidden,
+                                        multi_exit_logits, soft_loss, validate_exits)
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=4,
                   num_heads=4, num_kv_heads=2)
@@ -127,3 +127,20 @@ def test_gradient_holds_one_exit_logits_at_a_time():
     top_level = set(_out_shapes(jaxpr, recurse=False))
     assert one in everywhere  # the logits are computed (inside the exit loop)...
     assert one not in top_level and stacked not in everywhere  # ...one exit at a time
+
+
+def test_a_prefix_of_a_sorted_draft_predicts_as_the_whole_at_its_exits():
+    params = _params(2, 0.2)
+    extra = {"s2d_exits": list(EXITS), "s2d_head_vocab": [1, 2, 3]}
+    cfg3, p3, extra3 = draft_prefix(CFG, params, extra, [1, 3])
+    assert cfg3.num_layers == 3 and extra3 == {"s2d_exits": [1, 3], "s2d_head_vocab": [1, 2, 3]}
+    assert all(v.shape[0] == 3 for v in p3["layers"].values())
+    tokens = _batch(3)["inputs"]
+    whole = multi_exit_logits(params, CFG, EXITS, tokens)
+    part = multi_exit_logits(p3, cfg3, (1, 3), tokens)
+    for a, b in zip(part, (whole[0], whole[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert extra["s2d_exits"] == list(EXITS)  # the input is left as it was
+    for bad in ([2], [3, 1], [], [1, 1]):
+        with pytest.raises(S2DError, match="not ascending exits of the draft"):
+            draft_prefix(CFG, params, extra, bad)

@@ -16,9 +16,11 @@ the committed draft pack, calibration.
    per exit averaged (each (1 - w) CE on the answer tokens + w CE on the target's
    distribution, w = --kd-weight), the tied embedding frozen (shared with the target);
    resumes from WORK/ckpt.
-5. pack: the draft's own layers and norm (int8) + exits + head vocabulary -> --out; its
-   exits' teacher-forced agreement with the target on the calibration prompts is printed
-   (python -m infer.agreement).
+5. pack: the exits' teacher-forced agreement with the target on the calibration prompts
+   (python -m infer.agreement); from the first exit on, each deeper exit is kept while it
+   agrees measurably more often than the one before it (--exit-choice auto), and the
+   draft's layers up to its last kept exit and its norm (int8) + exits + head vocabulary
+   are written to --out.
 6. calibrate: thresholds and gamma on data/smollm2_calibration.jsonl (disjoint from
    Spec-Bench) -> the target's s2d_serving.json.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 
 from infer.args import ArgumentParser, parse_ints
 from s2d_jax.errors import S2DError, cli_main
@@ -37,6 +40,9 @@ DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"
 # Distillation on the target's whole distribution: at this CPU budget (300 steps) it
 # measured no better than the answer tokens alone (docs/results.md), so it stays off.
 KD_WEIGHT = 0.0
+# Spec-Bench-shaped prompts disjoint from Spec-Bench and from the distillation prompts: the
+# exit choice and the calibration measure on these.
+CALIBRATION_PROMPTS = "data/smollm2_calibration.jsonl"
 # How many prompts of each training file are answered (0 = all of it).
 PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.jsonl": 0,
                 "data/self_instruct_user_oriented.jsonl": 0,
@@ -55,14 +61,18 @@ def parse_args(argv):
     ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
     ap.add_argument("--head-vocab", type=int, default=4096,
                     help="size of the draft head's sub-vocabulary (0 = full vocabulary)")
-    ap.add_argument("--distill-batches", type=int, default=0,
-                    help="answer only this many batches of 32 prompts, each greedy and at "
-                    "T = 1, in the seeded order (0 = all)")
+    ap.add_argument("--distill-batches", type=int, default=20,
+                    help="answer this many batches of 32 prompts, each greedy and at T = 1, "
+                    "in the seeded order (0 = all of PROMPT_QUOTA: 28 batches)")
     ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
     ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
     ap.add_argument("--kd-weight", type=float, default=KD_WEIGHT,
                     help="share of the loss on the target's whole distribution rather than "
                     f"its sampled tokens, in [0, 1] (default {KD_WEIGHT})")
+    ap.add_argument("--exit-choice", choices=("auto", "all"), default="auto",
+                    help="auto: ship the exits up to the last one that is accepted measurably "
+                    "more often than the one before it (the pack keeps only the layers they "
+                    "read); all: every trained exit")
     ap.add_argument("--skip-calibration", action="store_true")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
@@ -132,33 +142,67 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
     return tc.export_dir
 
 
+def choose_exits(args, draft_hf: str, exits, log) -> list[int]:
+    """The exits to ship: with --exit-choice auto, from the first exit on while each deeper
+    one agrees with the target measurably more often than the one before it (paired gain
+    >= 2 standard errors, infer.agreement on every calibration prompt); the draft is cut
+    after the last kept exit, so a deeper exit that buys no acceptance costs nothing."""
+    from infer import agreement
+    report = os.path.join(args.work, "exit_choice.json")
+    agreement.main(["--target", args.target, "--draft", draft_hf, "--questions",
+                    CALIBRATION_PROMPTS, "--max-prompts", "1000", "--out", report])
+    with open(report) as f:
+        rows = json.load(f)["drafts"][draft_hf]
+    kept = agreement.measurable_exits(rows) if args.exit_choice == "auto" else list(exits)
+    log(f"[pack] exits {kept} of {list(exits)} ({args.exit_choice}; agreement of the float32 "
+        f"draft on {CALIBRATION_PROMPTS}: {report})")
+    return kept
+
+
 def pack(args, draft_hf: str, log) -> None:
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.draft_pack import save_draft_pack
+    from s2d_jax.model.sorted_draft import draft_prefix
 
     _, target, _ = load_model(args.target, dtype="float32")
     cfg, params, extra = load_model(draft_hf, dtype="float32")
+    kept = choose_exits(args, draft_hf, extra["s2d_exits"], log)
+    cfg, params, extra = draft_prefix(cfg, params, extra, kept)
     save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
                     target_name=os.path.basename(os.path.normpath(args.target)),
                     weights="int8", overwrite=args.overwrite)
-    log(f"[pack] wrote {args.out}")
-    from infer import agreement
-    agreement.main(["--target", args.target, "--draft", args.out,
-                    "--out", os.path.join(args.work, "agreement.json")])
+    log(f"[pack] wrote {args.out}: the first {cfg.num_layers} layers, exits {kept}")
+
+
+def calibration_argv(args) -> list[str]:
+    return ["--target", f"smollm2={args.target}", "--draft", args.out,
+            "--questions", CALIBRATION_PROMPTS, "--max-prompts", "12",
+            "--max-new-tokens", "64", "--gammas", "1,2", "--repeats", "1",
+            "--cost-samples", "2", "--probe-rounds", "12", "--cost-every", "3",
+            "--check", "2", "--finalists", "3", "--stops", ""]
+
+
+def pack_serving_record(args) -> str:
+    """The target's calibrated setting as the pack keeps it (python -m infer.fetch_smollm2
+    installs it): paths as the repository names them (the target's own copy has them
+    relative to the target dir) and the command that made it."""
+    from s2d_jax.decode.serving_config import SERVING_CONFIG
+    with open(os.path.join(args.target, SERVING_CONFIG)) as f:
+        record = json.load(f)
+    command = "python -m infer.calibrate " + shlex.join(calibration_argv(args))
+    record["draft"] = args.out
+    record["calibrated_on"].update(questions=CALIBRATION_PROMPTS, command=command.replace(
+        os.path.expanduser("~"), "$HOME"))
+    return json.dumps(record, indent=2) + "\n"
 
 
 def calibrate(args, log) -> None:
     from infer import calibrate as calibrate_cli
-    calibrate_cli.main(["--target", f"smollm2={args.target}", "--draft", args.out,
-                        "--questions", "data/smollm2_calibration.jsonl", "--max-prompts", "12",
-                        "--max-new-tokens", "64", "--gammas", "1,2", "--repeats", "1",
-                        "--cost-samples", "2", "--probe-rounds", "12", "--cost-every", "3",
-                        "--check", "2", "--finalists", "3", "--stops", ""])
+    calibrate_cli.main(calibration_argv(args))
     # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
     from s2d_jax.decode.serving_config import SERVING_CONFIG
     from s2d_jax.io.atomic import write_atomic
-    with open(os.path.join(args.target, SERVING_CONFIG)) as f:
-        write_atomic(os.path.join(args.out, SERVING_CONFIG), f.read())
+    write_atomic(os.path.join(args.out, SERVING_CONFIG), pack_serving_record(args))
     log(f"[calibrate] {args.out}/{SERVING_CONFIG}")
 
 

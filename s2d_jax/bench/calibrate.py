@@ -32,7 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from s2d_jax.bench import theory
+from s2d_jax.decode.defaults import round_up
 from s2d_jax.errors import S2DError
+
 
 @dataclasses.dataclass
 class ExitStats:
@@ -82,7 +84,9 @@ def exit_stats(draft_cfg, draft_params, exits, prompts: list[list[int]],
     correct, conf = [], []
     for p, c in zip(prompts, continuations):
         seq = list(p) + list(c)
-        arr = np.zeros((1, width), np.int32)
+        # padded to a multiple of 64 (causal: padding changes no earlier position), at
+        # most to width: a few compilations, not every prompt attending over the buffer
+        arr = np.zeros((1, min(width, round_up(len(seq), 64))), np.int32)
         arr[0, :len(seq)] = seq
         ids, cf = jax.device_get(_exit_predictions(draft_params, jnp.asarray(arr), cfg=cfg,
                                                    exits=exits))

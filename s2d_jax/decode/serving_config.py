@@ -72,3 +72,14 @@ def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | No
                               "max_new_tokens": max_new_tokens,
                               "utc": datetime.datetime.now(datetime.timezone.utc)
                               .strftime("%Y-%m-%dT%H:%M:%SZ")}}
+
+
+def slower_than_ar_note(cfg: dict, target: str) -> str | None:
+    """A one-line note when the calibration found even its best setting slower than AR
+    (speculation does not pay on the machine it ran on), else None."""
+    measured = cfg.get("measured_speedup")
+    if not isinstance(measured, (int, float)) or measured >= 1.0:
+        return None
+    return (f"note: {target}'s calibrated S2D setting measured {measured:.2f}x of AR where "
+            f"it was calibrated ({serving_config_path(target)}); --method ar may be faster "
+            f"there")

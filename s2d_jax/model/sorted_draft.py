@@ -193,3 +193,18 @@ def draft_hf_extra(exits, head_ids=None) -> dict:
     if head_ids is not None:
         extra["s2d_head_vocab"] = [int(i) for i in head_ids]
     return extra
+
+
+def draft_prefix(cfg: ModelConfig, params: dict, extra: dict, exits) -> tuple:
+    """(cfg, params, extra) of the sorted draft cut after its exit exits[-1], keeping the
+    given exits: every exit of a sorted draft reads only the layers below it and the shared
+    norm and head, so a prefix is itself a sorted draft with the same predictions there."""
+    exits = [int(e) for e in exits]
+    have = [int(e) for e in (extra or {}).get("s2d_exits") or [cfg.num_layers]]
+    if not exits or not set(exits) <= set(have) or exits != sorted(set(exits)):
+        raise S2DError(f"exits {exits} are not ascending exits of the draft {have}; "
+                       f"keep some of its own exits")
+    depth = exits[-1]
+    params = dict(params, layers={k: v[:depth] for k, v in params["layers"].items()})
+    return (dataclasses.replace(cfg, num_layers=depth), params,
+            dict(extra or {}, s2d_exits=exits))
