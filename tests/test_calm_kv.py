@@ -52,8 +52,8 @@ def calm_kv(p, h_exit, positions, layer):
 
 
 def at(cache_kv, layer, positions):
-    """cache_kv [L, B, S, K, H] at `layer` and positions [B, T] -> [B, T, K, H]."""
-    return np.stack([np.asarray(cache_kv[layer, b, positions[b]])
+    """cache_kv [L, B, K, S, H] at `layer` and positions [B, T] -> [B, T, K, H]."""
+    return np.stack([np.asarray(cache_kv[layer, b, :, positions[b]])
                      for b in range(positions.shape[0])])
 
 
@@ -94,7 +94,8 @@ def test_draft_step_fills_skipped_layers_from_the_exit_hidden_state():
     untouched = np.ones((B, S), bool)
     untouched[np.arange(B)[:, None], pos] = False
     for arr, ref in ((filled.k, cache.k), (filled.v, cache.v)):
-        np.testing.assert_array_equal(np.asarray(arr)[:, untouched], np.asarray(ref)[:, untouched])
+        slots_last = [np.moveaxis(np.asarray(a), 3, 2) for a in (arr, ref)]  # [L, B, S, K, H]
+        np.testing.assert_array_equal(slots_last[0][:, untouched], slots_last[1][:, untouched])
 
 
 def test_engine_round_writes_calm_kv_for_every_drafted_position():
@@ -133,16 +134,16 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
             p, CFG, true_h, jnp.arange(fed[-1] + 1, dtype=jnp.int32)[None], 0, 4, cache_true)
         for layer in SKIPPED:
             k_want, v_want = calm_kv(p, h_exit, jnp.asarray(fed)[None], layer)
-            got_k = np.asarray(state.draft_cache.k[layer, b, fed])
-            got_v = np.asarray(state.draft_cache.v[layer, b, fed])
+            got_k = np.asarray(state.draft_cache.k[layer, b, :, fed])
+            got_v = np.asarray(state.draft_cache.v[layer, b, :, fed])
             np.testing.assert_allclose(got_k[1:], k_want[0, 1:], rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(got_v[1:], v_want[0, 1:], rtol=1e-4, atol=1e-4)
             # the prefilled position keeps its exact K/V
-            np.testing.assert_allclose(got_k[0], np.asarray(cache_true.k[layer, 0, fed[0]]),
+            np.testing.assert_allclose(got_k[0], np.asarray(cache_true.k[layer, 0, :, fed[0]]),
                                        rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(got_v[0], np.asarray(cache_true.v[layer, 0, fed[0]]),
+            np.testing.assert_allclose(got_v[0], np.asarray(cache_true.v[layer, 0, :, fed[0]]),
                                        rtol=1e-4, atol=1e-4)
-            gap = np.abs(np.asarray(cache_true.k[layer, 0, fed]) - k_want[0]).max()
+            gap = np.abs(np.asarray(cache_true.k[layer, 0, :, fed]) - k_want[0]).max()
             assert gap < 1e-4 if layer == SKIPPED[0] else gap > 1e-2
 
 
@@ -172,7 +173,7 @@ def test_fully_accepted_block_gets_calm_kv_at_its_last_draft_next_round():
                          jnp.arange(seq.shape[0], dtype=jnp.int32)[None], 0, 1)[0]
     for layer in SKIPPED:
         k_want, v_want = calm_kv(p, h[:, pos:pos + 1], jnp.asarray([[pos]]), layer)
-        np.testing.assert_allclose(np.asarray(state.draft_cache.k[layer, 0, pos]), k_want[0, 0],
+        np.testing.assert_allclose(np.asarray(state.draft_cache.k[layer, 0, :, pos]), k_want[0, 0],
                                    rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(state.draft_cache.v[layer, 0, pos]), v_want[0, 0],
+        np.testing.assert_allclose(np.asarray(state.draft_cache.v[layer, 0, :, pos]), v_want[0, 0],
                                    rtol=1e-4, atol=1e-4)

@@ -96,7 +96,7 @@ def test_sharded_s2d_gives_the_unsharded_tokens(mesh_flag):
     # The caches stay split like their kv heads (and rows over data).
     state = compiled(draft, target, jnp.asarray(PROMPTS), jnp.asarray(LENS), dps["greedy"],
                      jax.random.key(7))
-    want = NamedSharding(mesh, P(None, ("data", "fsdp"), None, "tensor", None))
+    want = NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None, None))  # [L, B, K, S, H]
     assert state.target_cache.k.sharding.is_equivalent_to(want, 5)
     assert state.draft_cache.v.sharding.is_equivalent_to(want, 5)
 
@@ -136,7 +136,7 @@ def test_several_targets_share_one_mesh_with_a_per_target_memory_report():
         for dev in (jax.devices()[0], jax.devices()[5]):  # what really sits on a device
             assert addressable_bytes(params, dev) == rep[name]["params_per_device"]
         assert rep[name]["params_per_device"] < rep[name]["params_total"] / 3
-        # Cache [L, B, S, K, H]: rows over data=2, kv heads over tensor=4.
+        # Cache [L, B, K, S, H]: rows over data=2, kv heads over tensor=4.
         assert rep[name]["cache_per_device"] * 8 == rep[name]["cache_total"]
         assert rep[name]["cache_total"] == 2 * 4 * cfg.num_layers * 4 * 64 * 8 * 8
     assert rep["big"]["params_per_device"] > rep["a"]["params_per_device"]

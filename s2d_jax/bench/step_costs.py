@@ -118,7 +118,7 @@ def _fill_loop(params, cache, h, pos, n, *, cfg, exits, i):
         h, cache = carry
         for k, (lo, hi) in enumerate(bounds, start=i + 1):
             cache = fill_skipped_kv(params, cfg, h, pos + j, lo, hi, cache, segs[k])
-        return _chain(h, cache.k[exits[i], 0, pos[0, 0] + j]), cache
+        return _chain(h, cache.k[exits[i], 0, :, pos[0, 0] + j]), cache
 
     return jax.lax.fori_loop(0, n, body, (h, cache))
 

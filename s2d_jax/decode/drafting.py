@@ -78,8 +78,8 @@ def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: j
     bi = jnp.arange(B)[None, :, None]
     # held positions are sent out of bounds, which mode="drop" skips
     pi = jnp.where(positions < cache.lengths[:, None], cache.max_len, positions)[None]
-    return cache.replace(k=cache.k.at[li, bi, pi].set(k.astype(cache.k.dtype), mode="drop"),
-                         v=cache.v.at[li, bi, pi].set(v.astype(cache.v.dtype), mode="drop"))
+    return cache.replace(k=cache.k.at[li, bi, :, pi].set(k.astype(cache.k.dtype), mode="drop"),
+                         v=cache.v.at[li, bi, :, pi].set(v.astype(cache.v.dtype), mode="drop"))
 
 
 def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndarray,

@@ -44,6 +44,56 @@ def _attention(q, k, v, mask, cfg: ModelConfig):
     return out.reshape(B, T, cfg.num_heads, H)
 
 
+# Slots a decode step's attention reads per block. The cache is a static buffer (max_len
+# slots) but a row's keys end at its position: blocks past the batch's last position are
+# not read at all (on a 2-core CPU, SmolLM2-135M, 450 of 1280 slots held: the attention of
+# a step took 0.54 of its whole-buffer time).
+ATTENTION_BLOCK = 256
+
+
+def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
+    """Attention of q [B,T,N,H] at positions [B,T] to the slots <= position of cache layer
+    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H].
+
+    Block by block over the slots up to the batch's largest position, with a running
+    softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
+    one softmax over every slot, up to float rounding. block >= S is one block."""
+    B, T, _, H = q.shape
+    S = kc.shape[3]
+    C = min(block, S)
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
+    neg = jnp.finfo(jnp.float32).min
+    last = jnp.minimum(jnp.max(positions), S - 1)
+    n_blocks = last // C + 1
+
+    def body(c, carry):
+        m, norm, acc = carry
+        lo = c * C
+        start = jnp.minimum(lo, S - C)  # the last block may overlap the one before it
+        at, size = (layer, 0, 0, start, 0), (1,) + kc.shape[1:3] + (C, H)
+        # read as the layer computes (the cache may be stored narrower)
+        kb = jax.lax.dynamic_slice(kc, at, size)[0].astype(q.dtype)
+        vb = jax.lax.dynamic_slice(vc, at, size)[0].astype(q.dtype)
+        slots = start + jnp.arange(C)
+        ok = (slots[None, None, :] >= lo) & (slots[None, None, :] <= positions[:, :, None])
+        ok = ok[:, None, None]  # [B, 1, 1, T, C]
+        s = jnp.einsum("BTKGH,BKCH->BKGTC", q, kb) * (H ** -0.5)
+        s = jnp.where(ok, s.astype(jnp.float32), neg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = jnp.einsum("BKGTC,BKCH->BKGTH", p.astype(vb.dtype), vb)
+        return (m_new, norm * rescale + jnp.sum(p, axis=-1),
+                acc * rescale[..., None] + pv.astype(jnp.float32))
+
+    shape = (B, cfg.num_kv_heads, cfg.num_groups, T)
+    init = (jnp.full(shape, neg), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (H,), jnp.float32))
+    _, norm, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
+    return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
+
+
 def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
     """einsum(eq, x, w) contracting x's trailing axes with w's leading ones. `w` is an
     array or a quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run
@@ -72,6 +122,17 @@ def _weight(module: nn.Module, row: Param) -> nn.Variable:
         module.make_rng("params"), shape_of(row, cfg), jnp.dtype(cfg.param_dtype)))
 
 
+def _out_projection(attn: jnp.ndarray, wo, dt) -> jnp.ndarray:
+    """attn [B,T,N,H] @ wo [N,H,D]. A plain matrix is applied as [N*H, D] to the flattened
+    heads: contracting (N, H) as two axes, the CPU backend transposed the whole weight on
+    every call (~6% of a SmolLM2 decode step)."""
+    if isinstance(wo, jax.Array):
+        B, T, N, H = attn.shape
+        return jnp.einsum("BTE,ED->BTD", attn.reshape(B, T, N * H),
+                          wo.reshape(N * H, -1).astype(dt))
+    return dense("BTNH,NHD->BTD", attn, wo, dt)
+
+
 class Block(nn.Module):
     """One decoder block, params = one layer's slice of `params["layers"]`."""
 
@@ -85,17 +146,16 @@ class Block(nn.Module):
         return {name: var.value for name, var in self.w.items()}
 
     def __call__(self, h, cos, sin, attend):
-        """h [B, T, D] -> (h, extra). `attend(k_new, v_new) -> (k_all, v_all, mask, extra)`
-        supplies the keys/values attended to (and stores the new ones, with a cache)."""
+        """h [B, T, D] -> (h, extra). `attend(q, k_new, v_new) -> (out [B,T,N,H], extra)`
+        attends with the new keys/values (and whatever a cache holds, storing them)."""
         cfg, w, dt = self.cfg, self.weights(), h.dtype
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
         q = dense("BTD,DNH->BTNH", x, w["wq"], dt)
         k = dense("BTD,DKH->BTKH", x, w["wk"], dt)
         v = dense("BTD,DKH->BTKH", x, w["wv"], dt)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all, v_all, mask, extra = attend(k, v)
-        attn = _attention(q, k_all, v_all, mask, cfg)
-        h = h + dense("BTNH,NHD->BTD", attn, w["wo"], dt)
+        attn, extra = attend(q, k, v)
+        h = h + _out_projection(attn, w["wo"], dt)
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
         gate = dense("BTD,DF->BTF", x, w["w_gate"], dt)
         up = dense("BTD,DF->BTF", x, w["w_up"], dt)
@@ -182,7 +242,21 @@ REMAT_POLICIES = {
 }
 
 
+# A short range of small layers runs unrolled (the loop's per-iteration cost dominates them);
+# larger layers run as a loop, which was faster on CPU even for 2 layers: SmolLM2-135M
+# (3.5M parameters a layer), a 2-layer draft segment 2.0 ms looped vs 3.4 ms unrolled; the
+# demo models (<= 1.6M a layer) 0.11 ms unrolled vs 0.19 ms looped (3 layers).
 UNROLL_LAYERS = 4
+UNROLL_MAX_LAYER_PARAMS = 2_000_000
+
+
+def layer_param_count(cfg: ModelConfig) -> int:
+    D, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return 2 * D * q + 2 * D * kv + 3 * D * cfg.intermediate_size + 2 * D
+
+
+def unroll_layers(cfg: ModelConfig, count: int) -> bool:
+    return count <= UNROLL_LAYERS and layer_param_count(cfg) <= UNROLL_MAX_LAYER_PARAMS
 
 
 def layer_slice(params: dict, start: int, end: int) -> dict:
@@ -192,7 +266,8 @@ def layer_slice(params: dict, start: int, end: int) -> dict:
 def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
                start: int = 0, end: int | None = None, cache: KVCache | None = None,
                segment_ids: jnp.ndarray | None = None, remat: str = "none",
-               layers: dict | None = None, fresh: bool = False):
+               layers: dict | None = None, fresh: bool = False,
+               attention_block: int = ATTENTION_BLOCK):
     """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
 
     `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
@@ -206,6 +281,8 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     positions 0..T-1 of every row (a prefill), so they attend to each other only, causally:
     the same keys as slots <= position, without scoring all max_len slots (on a 2-core CPU a
     300-token prefill into a 1024-slot cache took 2.6x as long that way).
+    `attention_block` (static): slots a cached step's attention reads per block
+    (`_cache_attention`; >= max_len reads the whole buffer in one).
     `start`/`end` are static. Returns (h, cache); cache lengths are left to the caller.
     """
     end = cfg.num_layers if end is None else end
@@ -228,7 +305,8 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
 
         def body(h, xs):
             lp, _ = xs
-            h, _ = block.apply({"params": lp}, h, cos, sin, lambda k, v: (k, v, mask, None))
+            h, _ = block.apply({"params": lp}, h, cos, sin,
+                               lambda q, k, v: (_attention(q, k, v, mask, cfg), None))
             return h, None
 
         if remat not in REMAT_POLICIES:
@@ -243,28 +321,25 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     if fresh:
         tpos = jnp.arange(T)
         mask = jnp.broadcast_to(tpos[None, :, None] >= tpos[None, None, :], (B, T, T))
-    else:
-        slots = jnp.arange(cache.max_len)
-        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
     def body(carry, xs):
-        h, kc, vc = carry
+        h, k_cache, v_cache = carry
         lp, li = xs
 
-        def attend(k, v):
+        def attend(q, k, v):
             # Scatter the new keys into their slots (positions past the cache are dropped).
-            kc2 = kc.at[li, bidx, positions].set(k.astype(kc.dtype), mode="drop")
-            vc2 = vc.at[li, bidx, positions].set(v.astype(vc.dtype), mode="drop")
+            kc = k_cache.at[li, bidx, :, positions].set(k.astype(k_cache.dtype), mode="drop")
+            vc = v_cache.at[li, bidx, :, positions].set(v.astype(v_cache.dtype), mode="drop")
             if fresh:  # the keys as stored (cache dtype), as a later step reads them
-                return (k.astype(kc.dtype).astype(h.dtype), v.astype(vc.dtype).astype(h.dtype),
-                        mask, (kc2, vc2))
-            return kc2[li].astype(h.dtype), vc2[li].astype(h.dtype), mask, (kc2, vc2)
+                k, v = (x.astype(kc.dtype).astype(h.dtype) for x in (k, v))
+                return _attention(q, k, v, mask, cfg), (kc, vc)
+            return _cache_attention(q, kc, vc, li, positions, cfg, attention_block), (kc, vc)
 
         h, (kc, vc) = block.apply({"params": lp}, h, cos, sin, attend)
         return (h, kc, vc), None
 
     (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx),
-                                unroll=(end - start) <= UNROLL_LAYERS)
+                                unroll=unroll_layers(cfg, end - start))
     return h, cache.replace(k=k, v=v)
 
 

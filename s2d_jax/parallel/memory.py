@@ -29,7 +29,7 @@ def tree_bytes(tree) -> int:
 
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, mesh=None) -> tuple[int, int]:
     """(total, per-device) bytes of one model's K and V caches for `batch` rows."""
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # CACHE_AXES
     total = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(cfg.dtype).itemsize
     if mesh is None:
         return total, total

@@ -91,9 +91,9 @@ def check_divisible(cfg: ModelConfig, mc: MeshConfig, what: str = "model") -> No
                        f"{cfg.hidden_size}; choose an fsdp size dividing it")
 
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def cache_sharding(mesh):
-    """KV cache [L, B, S, K, H]: rows over data x fsdp, kv heads over tensor."""
+    """KV cache [L, B, K, S, H]: rows over data x fsdp, kv heads over tensor."""
     return NamedSharding(mesh, spec(CACHE_AXES))
