@@ -246,7 +246,7 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
     eos = turns.eos_id
     every = args.cost_every
     log(f"[{name}] compiling the in-loop cost probes (sampled after "
-        f"{'every prompt' if every == 1 else f'every {every}th prompt'})")
+        f"{'every prompt' if every == 1 else f'every {every} prompts'})")
     probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
                                max_len=max_len)
     chain_probes = None

@@ -134,16 +134,12 @@ def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=N
         # The target's distribution over the same (sub-)vocabulary, from its final-normed
         # states and the shared frozen head: every token of the head is a target, so a
         # masked position teaches even when its sampled token lies outside the head.
-        rows = jax.lax.stop_gradient(model.head_rows({**params, "head_ids": head_ids})
-                                     if head_ids is not None else _full_head(params))
+        rows = jax.lax.stop_gradient(model.head_rows(
+            params if head_ids is None else {**params, "head_ids": head_ids}))
         t_logits = jnp.einsum("...D,VD->...V", teacher.astype(jnp.float32),
                               rows.astype(jnp.float32))
         kd = jnp.sum(optax.softmax_cross_entropy(logits, jax.nn.softmax(t_logits)) * kd_mask)
     return jnp.sum(ce * loss_mask), jnp.sum(correct * loss_mask), kd
-
-
-def _full_head(params: dict) -> jnp.ndarray:
-    return params["lm_head"].T if "lm_head" in params else params["embed"]
 
 
 # Saves only the exit's hidden state for the backward pass; the logits are recomputed.

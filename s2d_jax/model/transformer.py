@@ -363,11 +363,12 @@ SUB_VOCAB_FLOOR = -1e9
 
 
 def head_rows(params: dict) -> jnp.ndarray:
-    """[V', D] rows of the LM head for the sub-vocabulary params["head_ids"]; pre-gathered
-    as params["head_rows"] outside a decode loop (a gather in the loop body re-runs)."""
+    """[V', D] rows of the LM head for the sub-vocabulary params["head_ids"] (all [V, D]
+    rows without one); pre-gathered as params["head_rows"] outside a decode loop (a
+    gather in the loop body re-runs)."""
     if "head_rows" in params:
         return params["head_rows"]
-    ids = params["head_ids"]
+    ids = params.get("head_ids", slice(None))
     return params["lm_head"][:, ids].T if "lm_head" in params else params["embed"][ids]
 
 
