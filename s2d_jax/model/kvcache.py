@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from s2d_jax.config import ModelConfig
+from s2d_jax.parallel.memory import cache_shape
 
 
 @struct.dataclass
@@ -35,11 +36,6 @@ class KVCache:
     def with_lengths(self, lengths: jnp.ndarray) -> "KVCache":
         """Advance or roll back: only the lengths move, no data is copied."""
         return self.replace(lengths=lengths.astype(jnp.int32))
-
-
-def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
-    """Shape of one of a cache's K and V arrays."""
-    return (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:

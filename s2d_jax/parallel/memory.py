@@ -27,9 +27,15 @@ def tree_bytes(tree) -> int:
                for x in jax.tree.leaves(tree))
 
 
+def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
+    """Shape of one of a KV cache's K and V arrays (model/kvcache.py), laid out as
+    mesh.CACHE_AXES names its axes."""
+    return (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+
+
 def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, mesh=None) -> tuple[int, int]:
     """(total, per-device) bytes of one model's K and V caches for `batch` rows."""
-    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # CACHE_AXES
+    shape = cache_shape(cfg, batch, max_len)
     total = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(cfg.dtype).itemsize
     if mesh is None:
         return total, total
