@@ -96,7 +96,7 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
     h = model.embed_tokens(params, cfg, tokens)
     h, cache = model.run_layers(params, cfg, h, positions, 0, exits[0], cache,
                                 layers=_segment(params, exits, 0))
-    logits = model.lm_logits(params, cfg, h[:, -1])
+    logits = model.lm_logits(params, cfg, h[:, -1], decode=True)
     conf = confidence(logits, sp, conf_kind)
     exit_idx = jnp.zeros((B,), jnp.int32)
     # threshold 1 means "never stop here", even if the confidence rounds to exactly 1.
@@ -107,7 +107,7 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
 
         def deeper(h, cache, lo=lo, hi=hi, seg=seg):
             h, cache = model.run_layers(params, cfg, h, positions, lo, hi, cache, layers=seg)
-            return h, cache, model.lm_logits(params, cfg, h[:, -1])
+            return h, cache, model.lm_logits(params, cfg, h[:, -1], decode=True)
 
         def skip(h, cache, lo=lo, hi=hi, seg=seg):
             return (h, fill_skipped_kv(params, cfg, h, positions, lo, hi, cache, seg),
