@@ -86,12 +86,18 @@ def parse_args(argv):
     for name in ("distill_batches", "steps", "head_vocab"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    from s2d_jax.io.outputs import DIR, DRAFT_PACK, Output, check_outputs
+    from s2d_jax.io.outputs import DIR, DRAFT_PACK, HF_DIR, Output, check_outputs
     check_outputs([Output("--work", args.work, DIR),
-                   Output("--out", args.out, DRAFT_PACK, args.overwrite)],
+                   Output("--out", args.out, DRAFT_PACK, args.overwrite),
+                   Output("--work's trained draft", draft_hf_dir(args), HF_DIR, True)],
                   {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
                    "calibration prompts": CALIBRATION_PROMPTS, "config": TRAIN_CONFIG})
     return args
+
+
+def draft_hf_dir(args) -> str:
+    """Where SoFT exports the trained draft (replaced by each run)."""
+    return os.path.join(args.work, "draft_hf")
 
 
 def distill(args, log) -> str:
@@ -125,7 +131,7 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
             f"data.paths=[{rows}]", f"draft.exits=[{','.join(map(str, args.exits))}]",
             f"checkpoint.dir={os.path.abspath(os.path.join(args.work, 'ckpt'))}",
             f"metrics_path={os.path.join(args.work, 'metrics.jsonl')}",
-            f"export_dir={os.path.join(args.work, 'draft_hf')}", "export_overwrite=true"]
+            f"export_dir={draft_hf_dir(args)}", "export_overwrite=true"]
     if args.head_vocab:
         from s2d_jax.config import read_hf_config
         vocab = read_hf_config(os.path.join(args.target, "config.json")).vocab_size
