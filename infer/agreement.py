@@ -27,6 +27,7 @@ import numpy as np
 
 from infer.args import ArgumentParser, check_at_least, check_output_path
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
@@ -42,7 +43,9 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
     check_at_least(args, {"max_prompts": 1, "max_new_tokens": 2})
-    if args.out:
+    check_outputs([Output("--out", args.out)], {"--target": args.target, "--draft": args.draft,
+                                                "--questions": args.questions})
+    if args.out is not None:
         check_output_path(args.out)
     return args
 

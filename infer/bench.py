@@ -98,7 +98,6 @@ def _check_args(args):
     from infer.args import check_at_least, check_output_path, parse_targets
     from infer.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
-    check_output_path(args.out, is_dir=True)
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file
@@ -128,7 +127,14 @@ def _check_args(args):
     if args.hf_baseline:
         from s2d_jax.bench.hf_baseline import require_torch
         require_torch()
-    return targets, temps, kinds, _check_chains(args, targets, temps, kinds)
+    chains = _check_chains(args, targets, temps, kinds)
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    check_outputs([Output("--out", args.out, DIR)], {
+        "--targets": list(targets.values()), "--draft": args.draft,
+        "--questions": args.questions,
+        "--chain": [c.intermediate for cs in chains.values() for c in cs if c.intermediate]})
+    check_output_path(args.out, is_dir=True)
+    return targets, temps, kinds, chains
 
 
 def _check_chains(args, targets, temps, kinds) -> dict:

@@ -404,6 +404,17 @@ def _write_report(path: str, cal: Calibration, rows: list) -> None:
     log(f"wrote {path}")
 
 
+def _check_outputs(args, target: str) -> None:
+    """--report, and the serving config this writes into the target dir (its one output
+    inside an input, by design), may overwrite no other input."""
+    from s2d_jax.decode.serving_config import serving_config_path
+    from s2d_jax.io.outputs import Output, check_outputs
+    serving = None if args.dry_run else serving_config_path(target)
+    check_outputs([Output("--report", args.report), Output("the serving config", serving)],
+                  {"--draft": args.draft, "--questions": args.questions})
+    check_outputs([Output("--report", args.report)], {"--target": target})
+
+
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
@@ -413,6 +424,7 @@ def main(argv=None):
         if not os.path.exists(p):  # a model dir or a .gguf file
             raise S2DError(f"{what} dir {p} does not exist")
     gammas, stops = _validate(args)
+    _check_outputs(args, path)
 
     from s2d_jax.decode import serving_config
     cal = Calibration(args, name, path, gammas)

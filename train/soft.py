@@ -10,9 +10,35 @@ checkpoint.dir=runs/x export_dir=runs/x/hf`. The run resumes from the latest che
 from __future__ import annotations
 
 import argparse
+import os
 
 from infer.args import ArgumentParser
 from s2d_jax.errors import cli_main
+
+
+def config_files(path: str) -> list[str]:
+    """The config file and those it includes through `base:` (inputs of the run too)."""
+    from s2d_jax.readers import read_yaml
+    files = []
+    while path and path not in files:  # a loop of bases ends at the first repeat
+        files.append(path)
+        data = read_yaml(path)
+        base = data.get("base") if isinstance(data, dict) else None
+        path = os.path.join(os.path.dirname(path), base) if isinstance(base, str) else None
+    return files
+
+
+def check_train_outputs(tc, config: str) -> None:
+    """Checkpoints, metrics and the export may overwrite no input of the run ("" = off)."""
+    from s2d_jax.io.outputs import DIR, FILE, HF_DIR, Output, check_outputs
+    check_outputs(
+        [Output("checkpoint.dir", tc.checkpoint.dir or None, DIR),
+         Output("metrics_path", tc.metrics_path or None, FILE),
+         Output("export_dir", tc.export_dir or None, HF_DIR, tc.export_overwrite,
+                "export_overwrite=true")],
+        {"--config": config_files(config), "model.path": tc.model.path,
+         "data.paths": list(tc.data.paths), "data.tokenizer": tc.data.tokenizer,
+         "data.teacher": tc.data.teacher, "draft.head_vocab": tc.draft.head_vocab})
 
 
 @cli_main
@@ -28,6 +54,7 @@ def main(argv=None):
     from s2d_jax.train.loop import train
 
     tc = load_train_config(args.config, args.overrides)
+    check_train_outputs(tc, args.config)
     out = train(tc, progress=not args.no_progress)
     hist = out["history"]
     if hist:

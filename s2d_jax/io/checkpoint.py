@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.outputs import CHECKPOINT
 from s2d_jax.model.params import param_shapes
 from s2d_jax.readers import read_json
 
@@ -99,7 +100,7 @@ def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None
     sidecar = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg),
                "extra": dict(extra or {})}
     json.dumps(sidecar)  # fail before writing anything if extra is not JSON
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, CHECKPOINT) as tmp:
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, PARAMS_ITEM), params)
         ckptr.wait_until_finished()

@@ -31,6 +31,7 @@ from safetensors.numpy import load_file, save_file
 from s2d_jax.config import ModelConfig, build
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.outputs import DRAFT_PACK
 from s2d_jax.model.params import param_shapes
 from s2d_jax.readers import read_json
 
@@ -93,7 +94,7 @@ def save_draft_pack(out_dir: str, cfg: ModelConfig, params: dict, extra: dict, *
                "weights": weights, "embed_sha256": fingerprint,
                "target": target_name}
     json.dumps(sidecar)  # fail before writing anything if extra is not JSON
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, DRAFT_PACK) as tmp:
         save_file(tensors, os.path.join(tmp, PACK_WEIGHTS))
         with open(os.path.join(tmp, PACK_SIDECAR), "w") as f:
             json.dump(sidecar, f, indent=1)
