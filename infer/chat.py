@@ -19,7 +19,7 @@ from infer.args import (ArgumentParser, check_at_least, check_output_path, check
                         parse_floats, parse_ints, path_arg)
 from s2d_jax.errors import S2DError, cli_main
 
-from s2d_jax.decode.state import METHODS
+from s2d_jax.decode.defaults import METHODS
 COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
             "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
 

@@ -21,7 +21,7 @@ import sys
 
 from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
                         check_sampling, parse_floats, parse_ints, parse_targets, path_arg)
-from s2d_jax.decode.state import METHODS
+from s2d_jax.decode.defaults import METHODS
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -256,6 +256,7 @@ def main(argv=None):
                      eos_id=end_of_turn_id(tok, template))
     stream = args.prompt is not None and args.out is None
     rows = answer_turns(engine, tok, template, reqs, args, decode_kw, stream)
+    show_compile = [row.pop("_first_of_batch") for row in rows]  # once per compiled batch
     if args.time_split:
         _add_time_split(engine, rows, reqs, args)
     if args.out:
@@ -263,10 +264,10 @@ def main(argv=None):
         write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
     from s2d_jax.decode.stats_line import stats_line
     multi_turn = any(len(r["turns"]) > 1 for r in reqs)
-    for row in rows:  # statistics on stderr (a streamed text is already on stdout)
+    for row, compiled in zip(rows, show_compile):  # on stderr (streamed text is on stdout)
         turn = f" turn {row['turn']}" if multi_turn else ""
         print(f"[{row['target']} #{row['question_id']}{turn}] "
-              f"{stats_line(row['stats'], show_compile=row.pop('_first_of_batch'))}"
+              f"{stats_line(row['stats'], show_compile=compiled)}"
               + ("" if stream else f": {row['text'][:200]!r}"), file=sys.stderr)
     return 0
 

@@ -74,6 +74,8 @@ def test_s2d_cli_writes_lossless_jsonl(models):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # every turn answered, in order: question 7's second turn after its own first answer
     assert [(r["question_id"], r["turn"]) for r in rows] == [(7, 1), (7, 2), (8, 1)]
+    assert set(rows[0]) == {"question_id", "category", "target", "turn", "token_ids", "text",
+                            "stats"}
     tok = load_tokenizer(TOKENIZER)
     from s2d_jax.data.prompts import prompt_ids, reply_text
     first = reply_text(tok, rows[0]["token_ids"])

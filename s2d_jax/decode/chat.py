@@ -26,7 +26,7 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     last). notes: lines for the user (a calibrated setting measured slower than AR)."""
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
-    from s2d_jax.decode.state import METHODS
+    from s2d_jax.decode.defaults import METHODS
     from s2d_jax.io.checkpoint import has_tokenizer, load_model
     from s2d_jax.io.tokenizer import load_tokenizer
     from s2d_jax.readers import expand_path
