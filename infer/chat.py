@@ -124,7 +124,8 @@ def run_session(chat, lines, scripted: bool) -> list[dict]:
             elif line == "/stats":
                 print(chat.summary(), flush=True)
             else:
-                print("\n".join(f"{c}  {what}" for c, what in COMMANDS.items())
+                print(("" if line == "/help" else f"unknown command {line}; the commands:\n")
+                      + "\n".join(f"{c}  {what}" for c, what in COMMANDS.items())
                       + "\n(anything else is your next message)", flush=True)
             continue
         print("assistant> ", end="", flush=True)

@@ -47,14 +47,12 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
+        served = load_serving_config(target) if method == "s2d" else None
         if method == "sd":
             exits = [exit or draft_cfg.num_layers]
-        elif exits is None:
-            exits = list(extra.get("s2d_exits") or [draft_cfg.num_layers])
-            served = load_serving_config(target)
-            if served is not None and served.get("exits"):
-                exits = [int(e) for e in served["exits"]]
-        served = load_serving_config(target) if method == "s2d" else None
+        elif exits is None:  # the calibrated exit subset, else all the draft's exits
+            exits = ([int(e) for e in served["exits"]] if served and served.get("exits")
+                     else list(extra.get("s2d_exits") or [draft_cfg.num_layers]))
         if (served is not None and thresholds is None
                 and list(served.get("exits") or exits) == list(exits)):
             thresholds, stop = served["thresholds"], served["stop_threshold"]
@@ -130,11 +128,12 @@ class Chat:
                **decode) -> dict:
         """-> {"text", "token_ids", "prompt_ids", "reply" (the text the conversation keeps),
         "stats", "summary" (stats_line)}. on_text(piece) streams the answer round by round."""
-        from s2d_jax.data.prompts import messages_ids, reply_text
+        from s2d_jax.data.prompts import messages_ids, reply_text, split_messages
         from s2d_jax.decode.stats_line import stats_line
 
         messages = as_messages(messages)
-        if self.system is not None and messages and messages[0].get("role") != "system":
+        split_messages(messages)  # one clear error for a malformed list, before the system's
+        if self.system is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system}] + list(messages)
         ids = messages_ids(self.tokenizer, self.template, messages)
         settings = self._settings(self.decode, decode)
