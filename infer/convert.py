@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser, check_output_path
+from infer.args import ArgumentParser, check_output_path, path_arg
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -39,20 +39,19 @@ OUTPUT_KIND = {"hf-to-orbax": CHECKPOINT, "gguf-to-orbax": CHECKPOINT, "orbax-to
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="python -m infer.convert", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m infer.convert", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp, src_help, out_help):
-        sp.add_argument("--src", required=True, help=src_help)
-        sp.add_argument("--out", required=True, help=out_help)
+        sp.add_argument("--src", required=True, type=path_arg, help=src_help)
+        sp.add_argument("--out", required=True, type=path_arg, help=out_help)
         sp.add_argument("--num-layers", type=int, default=None, metavar="N",
                         help="keep only the first N decoder layers (initialise a draft)")
         sp.add_argument("--dtype", choices=DTYPES, default=None,
                         help="cast all weights to this dtype (default: keep the stored dtype)")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace --out if it exists (only once the new output is complete)")
-        sp.add_argument("--tokenizer", default=None, metavar="DIR",
+        sp.add_argument("--tokenizer", default=None, metavar="DIR", type=path_arg,
                         help=f"copy tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
                              f"from DIR into --out (default: those found in --src)")
 
@@ -88,9 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                        ("unpack-draft", "draft pack -> complete HF model dir")):
         sp = sub.add_parser(name, help=what, description=what + "; --target is the model "
                             "whose embedding (and head) the draft shares.")
-        sp.add_argument("--src", required=True, help="the draft")
-        sp.add_argument("--target", required=True, help="its target (dir or .gguf)")
-        sp.add_argument("--out", required=True, help="output directory")
+        sp.add_argument("--src", required=True, type=path_arg, help="the draft")
+        sp.add_argument("--target", required=True, type=path_arg,
+                        help="its target (dir or .gguf)")
+        sp.add_argument("--out", required=True, type=path_arg, help="output directory")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace --out if it exists (only once the new output is complete)")
         if name == "pack-draft":

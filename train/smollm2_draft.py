@@ -27,12 +27,11 @@ the committed draft pack, calibration.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 
-from infer.args import ArgumentParser, parse_ints
+from infer.args import ArgumentParser, parse_ints, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
@@ -52,12 +51,14 @@ PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.js
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET, help="the target's HF dir (fetched "
+    ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__)
+    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg,
+                    help="the target's HF dir (fetched "
                     "by python -m infer.fetch_smollm2)")
-    ap.add_argument("--work", default="runs/smollm2_draft", help="data, checkpoints, logs")
-    ap.add_argument("--out", default="models/smollm2-draft", help="the draft pack to write")
+    ap.add_argument("--work", default="runs/smollm2_draft", type=path_arg,
+                    help="data, checkpoints, logs")
+    ap.add_argument("--out", default="models/smollm2-draft", type=path_arg,
+                    help="the draft pack to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
     ap.add_argument("--head-vocab", type=int, default=4096,
@@ -74,7 +75,8 @@ def parse_args(argv):
                     help="auto: ship the exits up to the last one that is accepted measurably "
                     "more often than the one before it (the pack keeps only the layers they "
                     "read); all: every trained exit")
-    ap.add_argument("--skip-calibration", action="store_true")
+    ap.add_argument("--skip-calibration", action="store_true",
+                    help="do not calibrate the new draft's S2D setting")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
     args.exits = parse_ints(args.exits, "--exits")

@@ -9,10 +9,9 @@ checkpoint.dir=runs/x export_dir=runs/x/hf`. The run resumes from the latest che
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, path_arg
 from s2d_jax.errors import cli_main
 
 
@@ -43,9 +42,9 @@ def check_train_outputs(tc, config: str) -> None:
 
 @cli_main
 def main(argv=None):
-    p = ArgumentParser(prog="python -m train.soft", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
+    p = ArgumentParser(prog="python -m train.soft", description=__doc__)
+    p.add_argument("--config", required=True, type=path_arg,
+                   help="training YAML (configs/train/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)

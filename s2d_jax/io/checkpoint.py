@@ -24,7 +24,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.io.outputs import CHECKPOINT
 from s2d_jax.model.params import param_shapes
-from s2d_jax.readers import read_json
+from s2d_jax.readers import expand_path, read_json
 
 SIDECAR = "s2d_config.json"
 PARAMS_ITEM = "params"
@@ -187,6 +187,7 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     """
     from s2d_jax.io import gguf, hf  # both import this module: import them when called
 
+    path = expand_path(path)
     kind = checkpoint_kind(path)
     if kind == "gguf":
         return gguf.load_gguf(path, num_layers, dtype, shardings)

@@ -33,7 +33,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.io.outputs import DRAFT_PACK
 from s2d_jax.model.params import param_shapes
-from s2d_jax.readers import read_json
+from s2d_jax.readers import expand_path, read_json
 
 PACK_SIDECAR = "s2d_draft_pack.json"
 PACK_WEIGHTS = "weights.safetensors"
@@ -187,6 +187,7 @@ def load_draft(path: str, target, dtype=None, shardings=None
     """
     from s2d_jax.io.checkpoint import load_model
 
+    path = expand_path(path)
     if os.path.isdir(path) and is_draft_pack(path):
         if isinstance(target, str):  # only the shared weights are needed: one layer
             target = load_model(target, num_layers=1)[1]
