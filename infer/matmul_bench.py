@@ -7,17 +7,14 @@ process and interleaved (s2d_jax/bench/matmul_costs.py).
 
 from __future__ import annotations
 
-import argparse
-import os
-
-from infer.args import ArgumentParser, parse_ints
+from infer.args import ArgumentParser, parse_ints, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", required=True, help="HF model dir, params checkpoint or .gguf")
+    p = ArgumentParser(prog="python -m infer.matmul_bench", description=__doc__)
+    p.add_argument("--target", required=True, type=path_arg,
+                   help="HF model dir, params checkpoint or .gguf")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts M to time (first = the base)")
     p.add_argument("--repeats", type=int, default=15, help="rounds of calls; the median is kept")
     p.add_argument("--position", type=int, default=400,
@@ -30,7 +27,6 @@ def parse_args(argv=None):
     if not 0 <= args.position <= args.max_len - max(args.rows):
         raise S2DError(f"--position {args.position} leaves no room for {max(args.rows)} tokens "
                        f"in --max-len {args.max_len}; lower --position or raise --max-len")
-    args.target = os.path.expanduser(os.path.expandvars(args.target))
     return args
 
 

@@ -106,21 +106,33 @@ inline float lane_sum(v16 a) {
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-// Rows [0, R), output columns [n0, n1): y[r, n] = dot(x[r], W[n]), W [N, K] row-major.
-// The dot runs 16 lanes over k, then sums the lanes as a fixed tree.
-template <int R, typename W>
-void nk_rows(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
-  const W* row = w + n * K;
-  v16 acc[R] = {};
+// Rows [0, R), output columns [n, n + NR): y[r, n] = dot(x[r], W[n]), W [N, K] row-major.
+// Each dot runs two 16-lane accumulators over alternate 16-wide chunks of k, then adds them
+// and sums the lanes as a fixed tree: the same operations for every (r, n) whatever R and
+// NR are. NR weight rows at a time give a few rows (R < 4) enough independent FMA chains.
+template <int R, int NR, typename W>
+void nk_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
+  v16 acc[NR][R][2] = {};
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    v16 wv = load16(row + k);
-    for (int r = 0; r < R; ++r) acc[r] += load16(x + r * K + k) * wv;
+  for (; k + 32 <= K; k += 32) {
+    for (int j = 0; j < NR; ++j) {
+      const W* row = w + (n + j) * K + k;
+      v16 w0 = load16(row), w1 = load16(row + 16);
+      for (int r = 0; r < R; ++r) {
+        acc[j][r][0] += load16(x + r * K + k) * w0;
+        acc[j][r][1] += load16(x + r * K + k + 16) * w1;
+      }
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    float s = lane_sum(acc[r]);
-    for (int64_t j = k; j < K; ++j) s += x[r * K + j] * load1(row + j);
-    y[r * N + n] = s;
+  bool half = k + 16 <= K;  // one more 16-wide chunk goes to the first accumulator
+  for (int j = 0; j < NR; ++j) {
+    const W* row = w + (n + j) * K;
+    for (int r = 0; r < R; ++r) {
+      if (half) acc[j][r][0] += load16(x + r * K + k) * load16(row + k);
+      float s = lane_sum(acc[j][r][0] + acc[j][r][1]);
+      for (int64_t i = k + (half ? 16 : 0); i < K; ++i) s += x[r * K + i] * load1(row + i);
+      y[r * N + n + j] = s;
+    }
   }
 }
 
@@ -135,7 +147,10 @@ void kn_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_
 template <int R, typename W>
 void nk_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t c0,
               int64_t c1) {
-  for (int64_t n = c0; n < c1; ++n) nk_rows<R>(x, w, y, K, N, n);
+  constexpr int NR = R >= 4 ? 1 : 4 / R;
+  int64_t n = c0;
+  for (; n + NR <= c1; n += NR) nk_block<R, NR>(x, w, y, K, N, n);
+  for (; n < c1; ++n) nk_block<R, 1>(x, w, y, K, N, n);
 }
 
 // Rows [r0, r0 + R) for columns [c0, c1), dispatching R to a compile-time row count.
