@@ -44,6 +44,9 @@ def _parse(argv):
     add_fake_devices_flag(p)
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
+    p.add_argument("--check-copies", action="store_true",
+                   help="also list cache-shaped copies / out-of-place cache updates inside the "
+                        "compiled decode loop (a round must update the caches in place)")
     p.add_argument("--raw-cpu-passes", action="store_true",
                    help="on CPU, keep XLA's hoisting of bf16->f32 weight converts out of the "
                         "layer loop (a CPU-only f32 copy of all weights in temp)")
@@ -75,7 +78,8 @@ def main(argv=None):
     import jax
 
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
-                             device_memory_bytes, format_report, memory_report, param_gathers)
+                             device_memory_bytes, format_report, loop_cache_traffic,
+                             memory_report, param_gathers)
     from s2d_jax.parallel.multihost import build_mesh
 
     device_bytes = device_memory_bytes(args.device_memory)
@@ -120,6 +124,15 @@ def main(argv=None):
             print(f"  whole-parameter all-gathers: {len(gathers)}")
             for g in gathers[:10]:
                 print(f"    {g}")
+        if args.check_copies:
+            found = loop_cache_traffic(compiled.as_text(), list(cfgs.values()), batch,
+                                       args.context, mesh)
+            print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
+                  f"updates {len(found['other'])}, whole-cache converts "
+                  f"{len(found['converts'])} (XLA:CPU's f32 round trip of a bf16 scatter; "
+                  f"GPU/TPU scatter bf16 in place)")
+            for line in (found["copies"] + found["other"])[:10]:
+                print(f"    {line}")
         del compiled
     if args.train_config:
         from train.aot import main as train_aot

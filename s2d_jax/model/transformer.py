@@ -53,9 +53,12 @@ def _attention(q, k, v, mask, cfg: ModelConfig):
 ATTENTION_BLOCK = 256
 
 
-def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
+def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int,
+                     new_kv=None):
     """Attention of q [B,T,N,H] at positions [B,T] to the slots <= position of cache layer
-    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H].
+    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H]. `new_kv`: (k, v) [B,T,K,H] of the query
+    tokens, not yet written to the cache: each block read is patched with them as if they
+    had been (the caller writes them later, outside a `lax.cond` that must not copy it).
 
     Block by block over the slots up to the batch's largest position, with a running
     softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
@@ -76,6 +79,11 @@ def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
         # read as the layer computes (the cache may be stored narrower)
         kb = jax.lax.dynamic_slice(kc, at, size)[0].astype(q.dtype)
         vb = jax.lax.dynamic_slice(vc, at, size)[0].astype(q.dtype)
+        if new_kv is not None:  # slots outside this block go to C, which "drop" skips
+            rel = jnp.where((positions >= start) & (positions < start + C), positions - start, C)
+            bidx = jnp.arange(B)[:, None]
+            kb = kb.at[bidx, :, rel].set(new_kv[0].astype(kb.dtype), mode="drop")
+            vb = vb.at[bidx, :, rel].set(new_kv[1].astype(vb.dtype), mode="drop")
         slots = start + jnp.arange(C)
         ok = (slots[None, None, :] >= lo) & (slots[None, None, :] <= positions[:, :, None])
         ok = ok[:, None, None]  # [B, 1, 1, T, C]
@@ -291,7 +299,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
                start: int = 0, end: int | None = None, cache: KVCache | None = None,
                segment_ids: jnp.ndarray | None = None, remat: str = "none",
                layers: dict | None = None, fresh: bool = False,
-               attention_block: int = ATTENTION_BLOCK):
+               attention_block: int = ATTENTION_BLOCK, defer_writes: bool = False):
     """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
 
     `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
@@ -307,6 +315,10 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     300-token prefill into a 1024-slot cache took 2.6x as long that way).
     `attention_block` (static): slots a cached step's attention reads per block
     (`_cache_attention`; >= max_len reads the whole buffer in one).
+    `defer_writes` (static; with a cache, not fresh): the cache is only read and the new
+    keys/values are returned instead, (h, (k, v) [end - start, B, T, K, H]), for the caller
+    to write (`kvcache.write_layers`) after a `lax.cond` (a cache written inside a cond
+    branch is copied whole on entry to it) and after every read (`kvcache.ordered_after`).
     `start`/`end` are static. Returns (h, cache); cache lengths are left to the caller.
     """
     end = cfg.num_layers if end is None else end
@@ -349,10 +361,24 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     block = Block(cfg, kernel=kernel)
     xs, stacked = _scanned_layers(params, layers, start, end, kernel)
 
+    def with_stacked(lp, si):  # the matrices the kernel reads in place, as layer si of their stack
+        return {**lp, **{n: small_matmul.StackedWeight(w, si) for n, w in stacked.items()}}
+
+    if defer_writes:
+        def read_only(h, xs):
+            lp, li, si = xs
+            return block.apply({"params": with_stacked(lp, si)}, h, cos, sin,
+                               lambda q, k, v: (_cache_attention(
+                                   q, cache.k, cache.v, li, positions, cfg, attention_block,
+                                   (k, v)), (k, v)))
+
+        h, kv = jax.lax.scan(read_only, h, xs, unroll=unroll_layers(cfg, end - start))
+        return h, kv
+
     def body(carry, xs):
         h, k_cache, v_cache = carry
         lp, li, si = xs
-        lp = {**lp, **{n: small_matmul.StackedWeight(w, si) for n, w in stacked.items()}}
+        lp = with_stacked(lp, si)
 
         def attend(q, k, v):
             # Scatter the new keys into their slots (positions past the cache are dropped).
