@@ -59,7 +59,8 @@ def probes(params: dict, cfg: ModelConfig, rows: list[int], max_len: int, positi
     dt = jnp.dtype(cfg.dtype)
     for m in rows:
         for path in PATHS:
-            kernel = path == "kernel"
+            # the kernel where it can be built (else both rows time XLA's dots)
+            kernel = path == "kernel" and small_matmul.usable(m)
             for name, eq in PROJECTIONS.items():
                 stack = params["layers"][name]
                 lead = 2 if name == "wo" else 1

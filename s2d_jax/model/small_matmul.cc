@@ -30,7 +30,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 constexpr int kCols = 32;      // output columns a register tile holds per row ("kn")
 constexpr int kMaxRows = 8;    // rows one pass over the weights serves
-constexpr int kPrefetch = 16;  // weight rows ahead to prefetch ("kn" walks rows with stride N)
+constexpr int kPrefetch = 32;  // weight rows ahead to prefetch ("kn" walks rows with stride N)
+constexpr int kNkPrefetch = 16;  // weight rows ahead to prefetch ("nk")
 
 inline v16 load16(const float* p) {
   v16 v;
@@ -71,7 +72,10 @@ void kn_tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t
   v16 acc[R][2] = {};
   for (int64_t k = 0; k < K; ++k) {
     const W* row = w + k * N + c;
-    if (k + kPrefetch < K) __builtin_prefetch(row + kPrefetch * N);
+    if (k + kPrefetch < K) {  // both cache lines of the tile's row segment
+      __builtin_prefetch(row + kPrefetch * N, 0, 2);
+      __builtin_prefetch(row + kPrefetch * N + 16, 0, 2);
+    }
     v16 w0 = load16(row), w1 = load16(row + 16);
     for (int r = 0; r < R; ++r) {
       float xv = x[r * K + k];
@@ -117,6 +121,10 @@ void nk_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_
   for (; k + 32 <= K; k += 32) {
     for (int j = 0; j < NR; ++j) {
       const W* row = w + (n + j) * K + k;
+      // the same chunk kNkPrefetch rows ahead, into L2: its two cache lines
+      const char* ahead = reinterpret_cast<const char*>(row + kNkPrefetch * K);
+      __builtin_prefetch(ahead, 0, 2);
+      __builtin_prefetch(ahead + 64, 0, 2);
       v16 w0 = load16(row), w1 = load16(row + 16);
       for (int r = 0; r < R; ++r) {
         acc[j][r][0] += load16(x + r * K + k) * w0;
