@@ -99,12 +99,14 @@ def _check_args(args):
     from infer.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
     check_output_path(args.out, is_dir=True)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found before the run
+        raise S2DError(f"--out {args.out} is a file; pass a directory for the report")
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file
             raise S2DError(f"model dir {path} ({name}) does not exist; pass an HF model dir "
                            f"or a .gguf file")
-    temps = _floats(args.temperatures)
+    temps = _floats(args.temperatures, "--temperatures")
     if not temps or any(t < 0 for t in temps):
         raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--gamma", args.gamma),
@@ -205,8 +207,9 @@ def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, dra
                                    else cfg.num_layers // 4)
     if self_exit < 1 or self_exit >= cfg.num_layers:
         self_exit = None
-    specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma,
-                                      load_serving_config(path))
+    served = load_serving_config(path, min(c.max_position_embeddings for c in (cfg, draft_cfg)
+                                           if c is not None))
+    specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma, served)
     specs += [bench.parse_s2d_setting(t, exits) for t in args.s2d_setting]
     notes = [f"{name}: {n}" for n in notes]
     chain_specs, mids, baseline = [], {}, None

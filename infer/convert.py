@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser, check_output_path
+from infer.args import ArgumentParser, check_output_path, finite_number
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
                              f"from DIR into --out (default: those found in --src)")
 
     def shards(sp):
-        sp.add_argument("--max-shard-gb", type=float, default=5.0,
+        sp.add_argument("--max-shard-gb", type=finite_number, default=5.0,
                         help="split model.safetensors into shards of at most this size "
                              "(default 5)")
 

@@ -57,6 +57,7 @@ def generate(prompt: str, target: str, draft: str | None = None, *, method: str 
     and 0.5 per exit (0 at the last). Builds and compiles a Decoder on every call: keep a
     `Decoder` for repeated use.
     """
+    from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.decode.serving_config import load_serving_config
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.errors import S2DError
@@ -76,10 +77,11 @@ def generate(prompt: str, target: str, draft: str | None = None, *, method: str 
         if method == "sd":
             exits = [exit or draft_cfg.num_layers]
         else:
-            exits = list(extra.get("s2d_exits") or [draft_cfg.num_layers])
-            served = load_serving_config(target)
+            exits = list(draft_exits(extra, draft_cfg))
+            served = load_serving_config(target, min(cfg.max_position_embeddings,
+                                                     draft_cfg.max_position_embeddings))
             if served is not None and served.get("exits"):
-                exits = [int(e) for e in served["exits"]]
+                exits = list(served["exits"])
             if served is not None and thresholds is None:
                 thresholds = served["thresholds"]
                 gamma = served["gamma"] if gamma is None else gamma
