@@ -62,14 +62,17 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
 
 
 def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
-                source: str = "max_position_embeddings") -> None:
+                source: str = "max_position_embeddings", given: bool = True) -> None:
     """`gamma` draft tokens must fit the context (defaults.max_gamma; `source` says where
-    its length comes from)."""
+    its length comes from; `given`: the user passed it, else it is the default)."""
     from s2d_jax.decode.defaults import max_gamma
 
     if gamma > max_gamma(context):
-        raise S2DError(f"{flag} {gamma} does not fit the context of {model} ({context} "
-                       f"positions, {source}); use {flag} <= {max_gamma(context)}")
+        what = f"{flag} {gamma}" if given else f"the default gamma {gamma}"
+        fix = (f"use {flag} <= {max_gamma(context)}" if max_gamma(context) >= 1 else
+               "it is too short to draft a token; use --method ar")
+        raise S2DError(f"{what} does not fit the context of {model} ({context} positions, "
+                       f"{source}); {fix}")
 
 
 def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:

@@ -99,12 +99,12 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from_gguf = args.command.startswith("gguf-")
     if from_gguf and not os.path.isfile(args.src):
-        raise S2DError(f"--src {args.src} is not a file; pass a .gguf model file")
+        raise S2DError(f"--src {args.src!r} is not a file; pass a .gguf model file")
     if not from_gguf and not os.path.isdir(args.src):
-        raise S2DError(f"--src {args.src} is not a directory; pass the model directory to "
+        raise S2DError(f"--src {args.src!r} is not a directory; pass the model directory to "
                        f"convert")
     if args.command.endswith("pack-draft") and not os.path.exists(args.target):
-        raise S2DError(f"--target {args.target} does not exist; pass the draft's target "
+        raise S2DError(f"--target {args.target!r} does not exist; pass the draft's target "
                        f"(model dir or .gguf file)")
     if os.path.lexists(args.out) and not args.overwrite:
         raise S2DError(f"--out {args.out} already exists; pass --overwrite or choose another path")

@@ -108,7 +108,9 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
         gamma = 4 if args.gamma is None else args.gamma
-        check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}")
+        if args.method != "ar":  # ar drafts nothing
+            check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}",
+                        given=args.gamma is not None)
         specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok,
                                  stop_threshold=args.draft_stop or 0.0)
     draft_cfg = draft_params = draft_tok = None

@@ -183,7 +183,7 @@ def explicit(args) -> list[str]:
 
 
 def _load_report(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory or /dev/null: read_text says what it is
         raise S2DError(f"report {path} does not exist; run python -m infer.bench --chain ...")
     text = read_text(path, "report")
     try:

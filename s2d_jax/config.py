@@ -201,8 +201,12 @@ def finite_float(value: float, where: str) -> float:
 
 # --- YAML loading with overrides ---------------------------------------------------------
 
-def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+def _parse_scalar(text: str, override: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as e:
+        raise S2DError(f"override {override!r}: {text!r} is not a YAML value "
+                       f"({str(e).splitlines()[0]}); fix it, e.g. draft.exits=[2,3]") from None
 
 
 def _coerce(cls_or_type, value, where: str):
@@ -274,11 +278,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise S2DError(f"override {key!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = _parse_scalar(text, ov)
     return data
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str, _includers: tuple[str, ...] = ()) -> dict[str, Any]:
+    if os.path.realpath(path) in _includers:  # a `base` chain that comes back: no end
+        raise S2DError(f"config file {path} includes itself through 'base' "
+                       f"({' -> '.join(_includers + (os.path.realpath(path),))}); remove the "
+                       f"loop")
     if not os.path.isfile(path):
         raise S2DError(f"config file {path} not found; pass a YAML file from configs/")
     data = read_yaml(path) or {}
@@ -286,8 +294,12 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise S2DError(f"config file {path} is not a YAML mapping (key: value lines); fix it")
     # `base: other.yaml` includes another file (relative to this one) and overlays this one.
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise S2DError(f"config file {path}: base={base!r} is not a file name; give one YAML "
+                       f"path")
     if base:
-        parent = load_yaml(os.path.join(os.path.dirname(path), base))
+        parent = load_yaml(os.path.join(os.path.dirname(path), base),
+                           _includers + (os.path.realpath(path),))
         data = _deep_merge(parent, data)
     return data
 

@@ -10,9 +10,24 @@ checkpoint.dir=runs/x export_dir=runs/x/hf`. The run resumes from the latest che
 from __future__ import annotations
 
 import argparse
+import os
 
-from infer.args import ArgumentParser
-from s2d_jax.errors import cli_main
+from infer.args import ArgumentParser, check_output_path
+from s2d_jax.errors import S2DError, cli_main
+
+
+def check_outputs(tc) -> None:
+    """Fail before any compiling when an output cannot be written (a metrics file that is a
+    directory, a checkpoint dir under a file or read-only: orbax's OSError otherwise)."""
+    if tc.metrics_path:
+        check_output_path(tc.metrics_path, "metrics_path")
+    path = tc.checkpoint.dir
+    if path:
+        check_output_path(path, "checkpoint.dir", is_dir=True)
+        if os.path.exists(path) and not (os.path.isdir(path) and
+                                         os.access(path, os.W_OK | os.X_OK)):
+            raise S2DError(f"checkpoint.dir {path} is not a writable directory; choose "
+                           f"another path")
 
 
 @cli_main
@@ -28,7 +43,12 @@ def main(argv=None):
     from s2d_jax.train.loop import train
 
     tc = load_train_config(args.config, args.overrides)
-    out = train(tc, progress=not args.no_progress)
+    check_outputs(tc)
+    try:
+        out = train(tc, progress=not args.no_progress)
+    except OSError as e:  # disk full, a path the checks above cannot foresee (/proc)
+        raise S2DError(f"cannot write {e.filename or 'an output'}: {e.strerror or e}; choose "
+                       f"writable checkpoint.dir / metrics_path / export_dir paths") from None
     hist = out["history"]
     if hist:
         last = hist[-1]
