@@ -443,7 +443,7 @@ CASES = [
     C("soft-checkpoint-dir-under-a-file", "train.soft", SOFT + ["checkpoint.dir={ws}/a_file/ck"],
       "checkpoint.dir", "not a writable directory"),
     C("soft-checkpoint-dir-in-proc", "train.soft",
-      SOFT + ["checkpoint.dir=/proc/s2d-fuzz-ck", "optimizer.total_steps=2"],
+      SOFT + ["checkpoint.dir=/proc/s2d-fuzz-ck", "optimizer.total_steps=2", "mesh.data=8"],
       "cannot write /proc/s2d-fuzz-ck", "writable checkpoint.dir", slow=True),
     C("taot-hf-config-eos-empty", "train.aot",
       ["--config", f"{REPO}/configs/train/cpu_soft.yaml", "--target", "{ws}/t_cfg_eos_empty"],
