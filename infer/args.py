@@ -1,6 +1,6 @@
 """Argument parsing shared by the entry points (`infer/`, `train/`): the parser class,
-list flags, range checks of numeric flags (finite floats only), the `[NAME=]PATH` target syntax and the
-`--fake-devices` flag.
+list flags, range checks of numeric flags (finite floats only), the `[NAME=]PATH` target
+syntax and the `--fake-devices` flag.
 
 Every check raises a one-line S2DError naming the flag and the fix, which `cli_main`
 prints as `error: ...` (argparse's own errors would print a usage block instead).
