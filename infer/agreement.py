@@ -16,7 +16,6 @@ error. Minutes, against a benchmark's hour: for comparing drafts and exits, not 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -25,24 +24,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infer.args import ArgumentParser, check_at_least, check_output_path
+from infer.args import ArgumentParser, check_at_least, check_output_path, path_arg
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m infer.agreement", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="the target (HF dir, checkpoint, .gguf)")
-    ap.add_argument("--draft", action="append", required=True,
+    ap = ArgumentParser(prog="python -m infer.agreement", description=__doc__)
+    ap.add_argument("--target", required=True, type=path_arg,
+                    help="the target (HF dir, checkpoint, .gguf)")
+    ap.add_argument("--draft", action="append", required=True, type=path_arg,
                     help="a sorted draft (pack or model dir); repeat to compare drafts")
-    ap.add_argument("--questions", default="data/smollm2_calibration.jsonl")
-    ap.add_argument("--max-prompts", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"))
-    ap.add_argument("--out", default=None, help="also write the numbers as JSON here")
+    ap.add_argument("--questions", default="data/smollm2_calibration.jsonl", type=path_arg,
+                    help="prompts (Spec-Bench jsonl)")
+    ap.add_argument("--max-prompts", type=int, default=12, help="prompts to use at most")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="new tokens per answer at most")
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
+                    help="auto: the tokenizer's own template")
+    ap.add_argument("--out", default=None, type=path_arg,
+                    help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
     check_at_least(args, {"max_prompts": 1, "max_new_tokens": 2})
-    if args.out:
+    check_outputs([Output("--out", args.out)], {"--target": args.target, "--draft": args.draft,
+                                                "--questions": args.questions})
+    if args.out is not None:
         check_output_path(args.out)
     return args
 

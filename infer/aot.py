@@ -13,38 +13,44 @@ the same mesh (the same as `python -m train.aot --config ... --target <draft> me
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 
 from infer.args import (ArgumentParser, add_fake_devices_flag, check_at_least, check_gamma,
-                        fake_cpu_devices, parse_ints)
+                        fake_cpu_devices, parse_ints, path_arg)
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
-    p = ArgumentParser(prog="python -m infer.aot", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True, help="target model YAML / HF dir / config.json")
-    p.add_argument("--draft", default=None, help="draft model (its first --draft-layers layers)")
+    p = ArgumentParser(prog="python -m infer.aot", description=__doc__)
+    p.add_argument("--target", required=True, type=path_arg,
+                   help="target model YAML / HF dir / config.json")
+    p.add_argument("--draft", default=None, type=path_arg,
+                   help="draft model (its first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
     p.add_argument("--exits", default=None, help="draft exits, e.g. 6,9,12 (default: draft depth)")
-    p.add_argument("--method", default="s2d", choices=("s2d", "sd", "ar"))
-    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--method", default="s2d", choices=("s2d", "sd", "ar"),
+                   help="the decoding method to compile")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
     p.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8 or data=2,tensor=4")
     p.add_argument("--batch", default="1", help="batch sizes to compile, e.g. 1,8")
     p.add_argument("--context", type=int, default=4096, help="cache length per row")
     p.add_argument("--prompt-len", type=int, default=None, help="padded prompt length "
                    "(default: context / 4)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device-memory", default="h100-80gb")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute and weight dtype (default: as stored)")
+    p.add_argument("--device-memory", default="h100-80gb",
+                   help="memory of one device to check the plan against")
     add_fake_devices_flag(p)
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
+    p.add_argument("--check-copies", action="store_true",
+                   help="also list cache-shaped copies / out-of-place cache updates inside the "
+                        "compiled decode loop (a round must update the caches in place)")
     p.add_argument("--raw-cpu-passes", action="store_true",
                    help="on CPU, keep XLA's hoisting of bf16->f32 weight converts out of the "
                         "layer loop (a CPU-only f32 copy of all weights in temp)")
-    p.add_argument("--train-config", default=None,
+    p.add_argument("--train-config", default=None, type=path_arg,
                    help="also AOT-compile the SoFT step of this training YAML for the draft")
     return p.parse_args(argv)
 
@@ -72,7 +78,8 @@ def main(argv=None):
     import jax
 
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
-                             device_memory_bytes, format_report, memory_report, param_gathers)
+                             device_memory_bytes, format_report, loop_cache_traffic,
+                             memory_report, param_gathers)
     from s2d_jax.parallel.multihost import build_mesh
 
     device_bytes = device_memory_bytes(args.device_memory)
@@ -117,6 +124,15 @@ def main(argv=None):
             print(f"  whole-parameter all-gathers: {len(gathers)}")
             for g in gathers[:10]:
                 print(f"    {g}")
+        if args.check_copies:
+            found = loop_cache_traffic(compiled.as_text(), list(cfgs.values()), batch,
+                                       args.context, mesh)
+            print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
+                  f"updates {len(found['other'])}, whole-cache converts "
+                  f"{len(found['converts'])} (XLA:CPU's f32 round trip of a bf16 scatter; "
+                  f"GPU/TPU scatter bf16 in place)")
+            for line in (found["copies"] + found["other"])[:10]:
+                print(f"    {line}")
         del compiled
     if args.train_config:
         from train.aot import main as train_aot

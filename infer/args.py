@@ -15,13 +15,28 @@ import re
 
 from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import expand_path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each flag's default after its help unless the
+    help already says it or there is none to show (unset, or a switch that is off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        unset = any(action.default is v for v in (None, False, argparse.SUPPRESS))  # not 0
+        if "default" in text.lower() or unset or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse.ArgumentParser whose errors are one-line S2DErrors (cli_main prints them)
-    and which reads negative number lists such as `--costs -1,2` as values, not options."""
+    """argparse.ArgumentParser whose errors are one-line S2DErrors (cli_main prints them),
+    whose --help shows defaults (HelpFormatter), and which reads negative number lists
+    such as `--costs -1,2` as values, not options."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         # argparse's own pattern (-1, -.5) misses lists and exponents; no flag starts with
         # a digit, so anything like -1,2 or -1e-3 is a value
@@ -41,6 +56,11 @@ def finite_number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give a finite "
                                          f"value")
     return value
+
+
+def path_arg(text: str) -> str:
+    """argparse `type` of every path flag: `~` and `$VARS` expanded (readers.expand_path)."""
+    return expand_path(text)
 
 
 def check_at_least(args, minimums: dict[str, float]) -> None:
@@ -123,7 +143,7 @@ def parse_targets(specs: list[str], flag: str = "--target") -> dict[str, str]:
             raise S2DError(f"bad {flag} {spec!r}; use PATH or NAME=PATH")
         if name in targets:
             raise S2DError(f"target name {name!r} given twice; name them NAME=PATH")
-        targets[name] = path
+        targets[name] = expand_path(path)
     return targets
 
 

@@ -40,34 +40,40 @@ in report.md; `python -m infer.insertion --report OUT/report.json` prints the in
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m infer.bench", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--targets", nargs="+", required=True, metavar="NAME=DIR")
-    ap.add_argument("--draft", default=None, help="sorted draft dir (exits from its config)")
-    ap.add_argument("--questions", default="data/demo_questions.jsonl")
-    ap.add_argument("--max-prompts", type=int, default=None)
+    ap = ArgumentParser(prog="python -m infer.bench", description=__doc__)
+    ap.add_argument("--targets", nargs="+", required=True, metavar="NAME=DIR",
+                    help="the target models, named")
+    ap.add_argument("--draft", default=None, type=path_arg,
+                    help="sorted draft dir (exits from its config)")
+    ap.add_argument("--questions", default="data/demo_questions.jsonl", type=path_arg,
+                    help="prompts (Spec-Bench / MT-bench jsonl)")
+    ap.add_argument("--max-prompts", type=int, default=None,
+                    help="prompts to use at most, round-robin over tasks (default: all)")
     ap.add_argument("--categories", default=None, help="comma-separated, default all")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per answer at most")
+    ap.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
+    ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal",
+                    help="comma-separated methods to compare")
     ap.add_argument("--s2d-setting", action="append", default=[],
                     metavar="EXITS:THRESHOLDS:GAMMA",
                     help="also run S2D at this fixed setting, e.g. 2,4:0.3,0:1 (repeatable; "
                     "label s2d_e2-4_t0.3-0_g1)")
-    ap.add_argument("--self-exit", type=int, default=None)
-    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--self-exit", type=int, default=None,
+                    help="target layers drafting for self (default: the deepest draft exit)")
+    ap.add_argument("--temperatures", default="0,1",
+                    help="comma-separated sampling temperatures (0 = greedy)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed passes over all prompts and methods; per prompt and method "
                     "the median (a slow spell of the machine hits one pass)")
@@ -77,8 +83,10 @@ def parse_args(argv):
                     "model K > 1 keeps a long run short)")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
                     help="auto: the tokenizer's own template, else none (default auto)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--hf-baseline", action="store_true")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute and weight dtype")
+    ap.add_argument("--hf-baseline", action="store_true",
+                    help="also time HF transformers generate (plain and assisted)")
     ap.add_argument("--chain", action="append", default=[],
                     metavar="NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M]",
                     help="a 3-level chain on target NAME with intermediate MID: int8 / int4 / w8a8 "
@@ -90,7 +98,8 @@ def parse_args(argv):
                     help="per target, time the parts of a draft step (each exit's segment, "
                     "the head, the confidence, the CALM fill, the control flow) against "
                     "the target's decode step, once after the warm-up")
-    ap.add_argument("--out", default="runs/bench")
+    ap.add_argument("--out", default="runs/bench", type=path_arg,
+                    help="output directory (report, answers, plot)")
     return ap.parse_args(argv)
 
 
@@ -98,9 +107,6 @@ def _check_args(args):
     from infer.args import check_at_least, check_output_path, parse_targets
     from infer.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
-    check_output_path(args.out, is_dir=True)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found before the run
-        raise S2DError(f"--out {args.out} is a file; pass a directory for the report")
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):
         if not os.path.exists(path):  # a model dir or a .gguf file
@@ -130,7 +136,16 @@ def _check_args(args):
     if args.hf_baseline:
         from s2d_jax.bench.hf_baseline import require_torch
         require_torch()
-    return targets, temps, kinds, _check_chains(args, targets, temps, kinds)
+    chains = _check_chains(args, targets, temps, kinds)
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    check_outputs([Output("--out", args.out, DIR)], {
+        "--targets": list(targets.values()), "--draft": args.draft,
+        "--questions": args.questions,
+        "--chain": [c.intermediate for cs in chains.values() for c in cs if c.intermediate]})
+    check_output_path(args.out, is_dir=True)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found before the run
+        raise S2DError(f"--out {args.out} is a file; pass a directory for the report")
+    return targets, temps, kinds, chains
 
 
 def _check_chains(args, targets, temps, kinds) -> dict:

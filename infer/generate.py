@@ -5,62 +5,74 @@
     python -m infer.generate --target ckpt/vicuna --method ar \\
         --prompts spec_bench_question.jsonl --out out.jsonl
 
-Each output line: question_id, category, target, token_ids, text and statistics. With a
-single --prompt the text is streamed: the round loop runs as jitted chunks of a few rounds
-(state donated, identical tokens to the one-jit path) and new text is printed in between.
+Each output line: question_id, category, target, turn, token_ids, text and statistics. A
+--prompts line with several turns is a conversation: its turns are answered in order, each
+after the earlier turns and the method's own earlier answers (as infer.bench runs MT-bench),
+one output line per turn. With a single --prompt the text is streamed: the round loop runs
+as jitted chunks of a few rounds (state donated, identical tokens to the one-jit path) and
+new text is printed in between. For a conversation in the terminal: python -m infer.chat.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
-                        check_sampling, finite_number, parse_floats, parse_ints, parse_targets)
-from s2d_jax.decode.state import METHODS
+                        check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
+                        path_arg)
+from s2d_jax.decode.defaults import METHODS
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m infer.generate", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(prog="python -m infer.generate", description=__doc__)
     ap.add_argument("--target", nargs="+", required=True, metavar="[NAME=]PATH",
                     help="target model(s): HF dirs or params checkpoints")
     ap.add_argument("--route", default=None, help="target name for prompts without a "
                     "'target' field (default: the first --target)")
-    ap.add_argument("--draft", default=None, help="draft model (sd, s2d)")
-    ap.add_argument("--method", default="s2d", choices=METHODS)
+    ap.add_argument("--draft", default=None, type=path_arg,
+                    help="draft model (needed by sd and s2d)")
+    ap.add_argument("--method", default="s2d", choices=METHODS,
+                    help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
+                    "self: the target's first --exit layers draft; ar: no speculation")
     ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
     ap.add_argument("--exits", default=None, help="s2d exits, e.g. 6,9,12 (default: the "
                     "draft's s2d_exits, else its full depth)")
     ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit "
                     "in [0,1], e.g. 0.6,0.4,0 (default 0.5 each)")
-    ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"))
+    ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"),
+                    help="the draft's confidence a threshold compares")
     ap.add_argument("--gamma", type=int, default=None, help="draft tokens per round "
                     "(default: the target's s2d_serving.json for s2d, else 4)")
     ap.add_argument("--draft-stop", type=finite_number, default=None, help="stop drafting after a "
                     "token less confident than this, in [0,1] (default: the target's "
                     "s2d_serving.json for s2d, else 0 = always gamma tokens)")
     ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=finite_number, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--top-p", type=finite_number, default=1.0,
+                    help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per answer at most")
     ap.add_argument("--batch-size", type=int, default=1, help="prompts per jitted batch")
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", default=None)
-    src.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                     help="Spec-Bench / MT-bench lines (question_id, category, turns)")
+    src.add_argument("--prompt", default=None, help="one user turn, answer streamed")
+    src.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=path_arg,
+                     help="Spec-Bench / MT-bench lines (question_id, category, turns); every "
+                     "turn is answered, in order")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
                     help="auto: the tokenizer's own template, else vicuna (default auto)")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the first target)")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--tokenizer", default=None, type=path_arg,
+                    help="tokenizer dir (default: the first target)")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="compute and weight dtype (default: as stored)")
     ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                     help="shard targets and draft over devices, e.g. tensor=8 or "
                     "data=2,tensor=4 (product = device count; default: one device)")
-    ap.add_argument("--intermediate", action="append", default=[], metavar="PATH",
+    ap.add_argument("--intermediate", action="append", default=[], metavar="PATH", type=path_arg,
                     help="polybasic chain: a model between draft and target (repeat for more "
                     "levels, lowest first); with --quantize-intermediate and no PATH, the "
                     "quantized target is the intermediate")
@@ -74,13 +86,24 @@ def parse_args(argv):
                     help="also time the compiled prefill and round loop inside the decode "
                     "loop (extra compilations): each row's prefill vs rounds seconds and the "
                     "round cost per exit, in its stats")
-    ap.add_argument("--out", default=None, metavar="FILE.jsonl")
+    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
+                    help="write one JSON line per answered turn (default: print only)")
     return ap.parse_args(argv)
+
+
+def check_args(args) -> None:
+    """The checks that need no model, run before JAX starts or any file is read."""
+    if args.method in ("sd", "s2d") and args.draft is None:
+        raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
+                       f"or use --method ar")
+    if args.method == "self" and args.exit is None:
+        raise S2DError("method self needs --exit (how many target layers draft)")
 
 
 def read_requests(args) -> list[dict]:
     if args.prompt is not None:
-        return [{"question_id": 0, "category": None, "text": args.prompt}]
+        return [{"question_id": 0, "category": None, "text": args.prompt,
+                 "turns": [args.prompt]}]
     from s2d_jax.data.prompts import read_questions
 
     return read_questions(args.prompts)
@@ -115,9 +138,7 @@ def build_engine(args, targets: dict[str, str]):
                                  stop_threshold=args.draft_stop or 0.0)
     draft_cfg = draft_params = draft_tok = None
     exits = None
-    if args.method in ("sd", "s2d"):
-        if args.draft is None:
-            raise S2DError(f"method {args.method} needs --draft")
+    if args.method in ("sd", "s2d"):  # check_args: a draft was given
         from s2d_jax.io.draft_pack import load_draft
         # a draft pack takes its shared weights from the (first) target it was made for
         draft_cfg, draft_params, extra = load_draft(
@@ -137,9 +158,7 @@ def build_engine(args, targets: dict[str, str]):
                                              _context(next(iter(specs.values())), draft_cfg))
                 if served is not None and served.get("exits"):
                     exits = list(served["exits"])
-    elif args.method == "self":
-        if args.exit is None:
-            raise S2DError("method self needs --exit (how many target layers draft)")
+    elif args.method == "self":  # check_args: an exit was given
         exits = [args.exit]
     if exits is not None and thresholds is None:
         from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
@@ -222,6 +241,7 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    check_args(args)
     from s2d_jax.parallel.multihost import maybe_initialize_distributed
     maybe_initialize_distributed()  # before any device query; no-op on one host
     check_sampling(args.temperature, args.top_p, args.top_k)
@@ -229,9 +249,13 @@ def main(argv=None):
         raise S2DError(f"--draft-stop must lie in [0, 1] (0 = off), got {args.draft_stop}")
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
-    if args.out:
-        check_output_path(args.out)
     targets = parse_targets(args.target)
+    check_outputs([Output("--out", args.out)],
+                  {"--target": list(targets.values()), "--draft": args.draft,
+                   "--prompts": args.prompts, "--tokenizer": args.tokenizer,
+                   "--intermediate": args.intermediate})
+    if args.out is not None:
+        check_output_path(args.out)
     route = args.route or next(iter(targets))
     reqs = read_requests(args)
     for r in reqs:
@@ -240,59 +264,85 @@ def main(argv=None):
             raise S2DError(f"unknown target {r['target']!r}; known targets: "
                            f"{', '.join(targets)}")
     engine, tok = build_engine(args, targets)
-    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
+    from s2d_jax.data.prompts import end_of_turn_id, resolve_template
 
     template, note = resolve_template(tok, args.chat_template, fallback="vicuna")
     if note:
         print(note, file=sys.stderr)
-    for r in reqs:
-        r["ids"] = prompt_ids(tok, template, [r["text"]])
     decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p,
                      eos_id=end_of_turn_id(tok, template))
     stream = args.prompt is not None and args.out is None
-    rows = []
-    for name in dict.fromkeys(r["target"] for r in reqs):
-        mine = [r for r in reqs if r["target"] == name]
-        for i in range(0, len(mine), args.batch_size):
-            batch = mine[i:i + args.batch_size]
-            printed = [""]
-
-            def on_chunk(state, printed=printed):
-                lo, hi = int(state.prompt_len[0]), int(state.length[0])
-                text = tok.decode(state.tokens[0, lo:hi].tolist())
-                if text.startswith(printed[0]):
-                    print(text[len(printed[0]):], end="", flush=True)
-                    printed[0] = text
-
-            outs = engine.generate(name, [r["ids"] for r in batch], seed=args.seed + i,
-                                   chunk_rounds=4 if stream else 0,
-                                   on_chunk=on_chunk if stream else None, **decode_kw)
-            for r, o in zip(batch, outs):
-                rows.append({"question_id": r["question_id"], "category": r["category"],
-                             "target": name, "token_ids": o["token_ids"],
-                             "text": tok.decode(o["token_ids"]), "stats": o["stats"]})
-            if stream:
-                print(rows[-1]["text"][len(printed[0]):], flush=True)
-        if args.time_split:
-            from s2d_jax.bench.loop_costs import generation_split, loop_probe_costs
-            costs = loop_probe_costs(engine.decoder(name), [r["ids"] for r in mine],
-                                     max_new_tokens=args.max_new_tokens,
-                                     temperature=args.temperature)
-            for row in rows:
-                if row["target"] == name:
-                    row["stats"]["time_split"] = generation_split(costs, row["stats"])
+    rows = answer_turns(engine, tok, template, reqs, args, decode_kw, stream)
+    show_compile = [row.pop("_first_of_batch") for row in rows]  # once per compiled batch
+    if args.time_split:
+        _add_time_split(engine, rows, reqs, args)
     if args.out:
         from s2d_jax.io.atomic import write_atomic
         write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
-    for row in rows:  # statistics on stderr (a streamed text is already on stdout)
-        s = row["stats"]
-        speed = s.get("batch_tokens_per_s")
-        print(f"[{row['target']} #{row['question_id']}] {s['new_tokens']} tokens, "
-              f"{s['rounds']} rounds, MAT {s['mean_accepted_tokens']:.2f}, exits "
-              f"{s['exit_usage']}" + (f", {speed:.0f} tok/s" if speed else "")
+    from s2d_jax.decode.stats_line import stats_line
+    multi_turn = any(len(r["turns"]) > 1 for r in reqs)
+    for row, compiled in zip(rows, show_compile):  # on stderr (streamed text is on stdout)
+        turn = f" turn {row['turn']}" if multi_turn else ""
+        print(f"[{row['target']} #{row['question_id']}{turn}] "
+              f"{stats_line(row['stats'], show_compile=compiled)}"
               + ("" if stream else f": {row['text'][:200]!r}"), file=sys.stderr)
     return 0
+
+
+def answer_turns(engine, tok, template, reqs, args, decode_kw, stream) -> list[dict]:
+    """One row per answered turn, ordered by request then turn. Turn k of every request
+    is asked after its earlier turns and the method's own earlier answers, batched by
+    target (--batch-size)."""
+    from s2d_jax.data.prompts import prompt_ids, reply_text
+    from s2d_jax.decode.chat import TextStream
+
+    rows = []
+    for r in reqs:
+        r["answers"] = []
+    for k in range(max(len(r["turns"]) for r in reqs)):
+        live = [r for r in reqs if len(r["turns"]) > k]
+        for r in live:
+            r["ids"] = prompt_ids(tok, template, r["turns"][:k + 1],
+                                  [reply_text(tok, a) for a in r["answers"]])
+            if k == 0:
+                r["first_ids"] = r["ids"]
+        for name in dict.fromkeys(r["target"] for r in live):
+            mine = [r for r in live if r["target"] == name]
+            for i in range(0, len(mine), args.batch_size):
+                batch = mine[i:i + args.batch_size]
+                on_chunk = TextStream(tok, _print_piece) if stream else None
+                outs = engine.generate(name, [r["ids"] for r in batch], seed=args.seed + i + k,
+                                       chunk_rounds=4 if stream else 0, on_chunk=on_chunk,
+                                       **decode_kw)
+                for b, (r, o) in enumerate(zip(batch, outs)):
+                    r["answers"].append(o["token_ids"])
+                    rows.append({"question_id": r["question_id"], "category": r["category"],
+                                 "target": name, "turn": k + 1, "token_ids": o["token_ids"],
+                                 "text": tok.decode(o["token_ids"]), "stats": o["stats"],
+                                 "_first_of_batch": b == 0, "_order": (reqs.index(r), k)})
+                if stream:
+                    on_chunk.show(rows[-1]["text"])
+                    print(flush=True)
+    rows.sort(key=lambda row: row.pop("_order"))
+    return rows
+
+
+def _print_piece(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def _add_time_split(engine, rows, reqs, args) -> None:
+    """--time-split: prefill vs rounds, probed on each target's first turns."""
+    from s2d_jax.bench.loop_costs import generation_split, loop_probe_costs
+    for name in dict.fromkeys(r["target"] for r in reqs):
+        costs = loop_probe_costs(engine.decoder(name),
+                                 [r["first_ids"] for r in reqs if r["target"] == name],
+                                 max_new_tokens=args.max_new_tokens,
+                                 temperature=args.temperature)
+        for row in rows:
+            if row["target"] == name:
+                row["stats"]["time_split"] = generation_split(costs, row["stats"])
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ measured chain vs two-level speed and whether it agrees in direction:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 
-from infer.args import ArgumentParser, parse_floats
+from infer.args import ArgumentParser, parse_floats, path_arg
 from s2d_jax.bench import theory
 from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError, cli_main
@@ -58,9 +57,9 @@ POSITIVE_FLAGS = ("beta", "new_beta", "measured_gain")
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m infer.insertion", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--report", default=None, help="report.json of infer.bench with --chain")
+    ap = ArgumentParser(prog="python -m infer.insertion", description=__doc__)
+    ap.add_argument("--report", default=None, type=path_arg,
+                    help="report.json of infer.bench with --chain")
     ap.add_argument("--target", default=None, help="only this target of the report")
     ap.add_argument("--temperature", default=None,
                     help="only this temperature of the report (default: all)")

@@ -4,6 +4,8 @@ The public API, imported on first use (PEP 562), so `import s2d_jax.errors` stay
 
     import s2d_jax
     out = s2d_jax.generate("ROMEO:", target="models/demo/target-l", draft="models/demo/draft")
+    chat = s2d_jax.Chat("~/.cache/s2d-jax/SmolLM2-135M-Instruct", "models/smollm2-draft")
+    chat.say("Why is the sky blue?")["text"]; chat.say("And at sunset?")["text"]
     cfg, params, extra = s2d_jax.load_model("models/demo/target-s")
     decoder = s2d_jax.Decoder(cfg, params, method="ar")          # one target
     engine = s2d_jax.Engine({"s": s2d_jax.TargetSpec(cfg, params)}, ...)  # several targets
@@ -22,6 +24,7 @@ _LAZY = {
     "ModelConfig": ("s2d_jax.config", "ModelConfig"),
     "load_model": ("s2d_jax.io.checkpoint", "load_model"),
     "load_tokenizer": ("s2d_jax.io.tokenizer", "load_tokenizer"),
+    "Chat": ("s2d_jax.decode.chat", "Chat"),
     "Decoder": ("s2d_jax.decode.serving", "Decoder"),
     "Engine": ("s2d_jax.decode.serving", "Engine"),
     "TargetSpec": ("s2d_jax.decode.serving", "TargetSpec"),
@@ -44,61 +47,31 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-def generate(prompt: str, target: str, draft: str | None = None, *, method: str = "s2d",
-             max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0,
-             gamma: int | None = None, thresholds=None, exit: int | None = None,
+def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2d",
+             chat_template: str = "auto", max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, gamma: int | None = None,
+             thresholds=None, exit: int | None = None, exits=None,
              dtype: str | None = None) -> dict:
-    """Generate from one text prompt (no chat template) -> {"text", "token_ids", "stats"}.
+    """Answer a prompt -> {"text", "token_ids", "prompt_ids", "reply", "stats", "summary"}.
 
-    target / draft: HF dirs or params checkpoints. method: "s2d" (escalating over the
-    draft's `s2d_exits`), "sd" (the draft cut at `exit`, default its depth), "self" (the
-    target's first `exit` layers) or "ar". For s2d, gamma and thresholds default to the
-    target's calibrated `s2d_serving.json` when it matches the draft's exits, else gamma 4
-    and 0.5 per exit (0 at the last). Builds and compiles a Decoder on every call: keep a
-    `Decoder` for repeated use.
+    prompt: a string (one user turn) or chat messages ([{"role": "user", "content": ...},
+    {"role": "assistant", ...}, ...], optionally a "system" one first; the last turn is
+    answered in the context of the others). chat_template "auto" renders them in the
+    tokenizer's own template when it has one (else the text as is after BOS), "vicuna" or
+    "none". target / draft: HF dirs, params checkpoints or GGUF files; `~` and `$VARS` are
+    expanded. method: "s2d" (escalating over the draft's exits), "sd" (the draft cut at
+    `exit`), "self" (the target's first `exit` layers) or "ar"; s2d's gamma and thresholds
+    default to the target's calibrated `s2d_serving.json` (s2d_jax.decode.chat.load_decoder).
+    "summary" is the statistics as one readable line. Loads and compiles on every call:
+    keep a `Chat` for a conversation or repeated use.
     """
-    from s2d_jax.decode.defaults import draft_exits
-    from s2d_jax.decode.serving_config import load_serving_config
-    from s2d_jax.decode.serving import Decoder
-    from s2d_jax.errors import S2DError
-    from s2d_jax.io.checkpoint import has_tokenizer, load_model
-    from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.decode.chat import Chat
 
-    cfg, params, _ = load_model(target, dtype=dtype)
-    tok = load_tokenizer(target)
-    draft_cfg = draft_params = draft_tok = None
-    exits, stop = None, 0.0
-    if method in ("sd", "s2d"):
-        if draft is None:
-            raise S2DError(f"method {method} needs a draft model; pass draft=PATH")
-        from s2d_jax.io.draft_pack import load_draft
-        draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
-        draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
-        if method == "sd":
-            exits = [exit or draft_cfg.num_layers]
-        else:
-            exits = list(draft_exits(extra, draft_cfg))
-            served = load_serving_config(target, min(cfg.max_position_embeddings,
-                                                     draft_cfg.max_position_embeddings))
-            if served is not None and served.get("exits"):
-                exits = list(served["exits"])
-            if served is not None and thresholds is None:
-                thresholds = served["thresholds"]
-                gamma = served["gamma"] if gamma is None else gamma
-                stop = served["stop_threshold"]
-    elif method == "self":
-        exits = [exit] if exit else None
-    if exits is not None and thresholds is None:
-        thresholds = [0.5] * (len(exits) - 1) + [0.0]
-    decoder = Decoder(cfg, params, method=method, draft_cfg=draft_cfg,
-                      draft_params=draft_params, exits=exits,
-                      gamma=4 if gamma is None else gamma, thresholds=thresholds,
-                      target_tokenizer=tok, draft_tokenizer=draft_tok, stop_threshold=stop)
-    out, = decoder.generate([tok.encode(prompt, bos=True)], max_new_tokens=max_new_tokens,
-                            temperature=temperature, seed=seed,
-                            eos_id=tok.eos_id if tok.eos_id is not None else -1)
-    return {"text": tok.decode(out["token_ids"]), "token_ids": out["token_ids"],
-            "stats": out["stats"]}
+    chat = Chat(target, draft, method=method, chat_template=chat_template, gamma=gamma,
+                thresholds=thresholds, exit=exit, exits=exits, dtype=dtype,
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                top_p=top_p, seed=seed)
+    return chat.answer(prompt)
 
 
 def train_soft(config, overrides=(), *, devices=None, progress: bool = False) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 import yaml
@@ -16,10 +17,17 @@ import yaml
 from s2d_jax.errors import S2DError
 
 
+def expand_path(path: str) -> str:
+    """A user's path with `~` and `$VAR` / `${VAR}` expanded: the one rule for every path the
+    API and the CLIs take (a quoted `~` reaches us unexpanded by the shell)."""
+    return os.path.expandvars(os.path.expanduser(path))
+
+
 def read_text(path: str, what: str = "file") -> str:
     """The whole file as str, without a leading UTF-8 byte order mark (some Windows
     editors write one; it is no content); `what` names it in the error ("prompts file",
     ...)."""
+    path = expand_path(path)
     try:
         with open(path, "rb") as f:
             data = f.read()

@@ -72,8 +72,9 @@ def test_hf_to_orbax_to_hf_round_trip(hf_dir, tmp_path):
 def test_hf_to_hf_draft_truncation_and_overwrite(hf_dir, tmp_path):
     src, state = hf_dir
     out = tmp_path / "draft"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
+    rc, _, err = convert("hf-to-hf", "--src", src, "--out", out, "--num-layers", 1)
+    assert rc == 0, err
+    (out / "stale.txt").write_text("old")  # inside an earlier output (it has the marker)
     rc, _, err = convert("hf-to-hf", "--src", src, "--out", out, "--num-layers", 2,
                          "--dtype", "bfloat16", "--overwrite")
     assert rc == 0, err

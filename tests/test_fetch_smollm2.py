@@ -7,6 +7,7 @@ import zipfile
 
 import pytest
 
+from s2d_jax.io.outputs import MARKER
 from tiny_gguf import hf_weights, write_gguf
 
 
@@ -45,8 +46,9 @@ def test_fetch_extracts_converts_and_is_idempotent(tiny_path, tmp_path, capsys, 
     assert fetch_smollm2.main(argv) == 0
     gguf_path, hf_dir = fetch_smollm2.model_paths(str(cache))
     # + the committed draft's calibrated S2D setting, installed beside the converted model
-    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors", "s2d_serving.json",
-                                          "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf_dir)) == [MARKER, "config.json", "model.safetensors",
+                                          "s2d_serving.json", "tokenizer.json",
+                                          "tokenizer_config.json"]
     with open(fetch_smollm2.COMMITTED_SERVING) as f:
         committed = json.load(f)
     with open(os.path.join(hf_dir, "s2d_serving.json")) as f:

@@ -72,11 +72,17 @@ def test_s2d_cli_writes_lossless_jsonl(models):
                "--batch-size", "2", "--time-split", "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["question_id"] for r in rows] == [7, 8]
+    # every turn answered, in order: question 7's second turn after its own first answer
+    assert [(r["question_id"], r["turn"]) for r in rows] == [(7, 1), (7, 2), (8, 1)]
+    assert set(rows[0]) == {"question_id", "category", "target", "turn", "token_ids", "text",
+                            "stats"}
     tok = load_tokenizer(TOKENIZER)
-    from s2d_jax.data.chat import vicuna_prompt
-    for r, q in zip(rows, ["What is 2+2?", "Say hi."]):
-        ids = tok.encode(vicuna_prompt([q]))
+    from s2d_jax.data.prompts import prompt_ids, reply_text
+    first = reply_text(tok, rows[0]["token_ids"])
+    prompts = [prompt_ids(tok, "vicuna", ["What is 2+2?"]),
+               prompt_ids(tok, "vicuna", ["What is 2+2?", "x"], [first]),
+               prompt_ids(tok, "vicuna", ["Say hi."])]
+    for r, ids in zip(rows, prompts):
         ref = greedy_reference(target, ids, 6)
         eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
         assert r["token_ids"] == ref[:eos_cut]
@@ -114,14 +120,21 @@ def test_cli_bad_input_is_one_line_exit_2(models, capsys):
     assert "does not exist" in _error(capsys, base[:-2] + ["--prompts", str(root / "no.jsonl")])
 
 
-def test_cli_subprocess_error_exit_code(models):
+@pytest.mark.parametrize("method", ["sd", None])  # None: the default, s2d
+def test_a_missing_draft_fails_before_any_model_loads(models, method):
+    import time
     root, _ = models
+    start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "infer.generate", "--target", str(root / "target"),
-         "--method", "sd", "--prompt", "hi"],
+        # a target that does not exist: the draft check must come before reading it
+        [sys.executable, "-m", "infer.generate", "--target", str(root / "no-such-model"),
+         "--prompt", "hi"] + (["--method", method] if method else []),
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: method sd needs --draft"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: method {method or 's2d'} needs --draft PATH (a draft model); pass one, or "
+        f"use --method ar"]
+    assert time.perf_counter() - start < 5  # no model loaded (that takes ~20 s on SmolLM2)
 
 
 @pytest.mark.slow

@@ -109,3 +109,21 @@ def test_70b_target_with_12_layer_draft_compiles_on_8_devices():
     assert max(args) * GIB <= 20e9
     assert re.findall(r"whole-parameter all-gathers: (\d+)", out) == ["0", "0"]
     assert out.count("fits 79.60 GiB per device: yes") == 2
+
+
+@pytest.mark.slow
+def test_70b_decode_loop_updates_caches_in_place():
+    """No cache copy and no out-of-place cache update in the compiled decode loop of the
+    70B target with the 12-layer draft (tensor=8) for AR, SD and S2D. In float32: XLA:CPU
+    runs a bf16 cache update through f32 (a whole-cache convert, then a copy back into the
+    carried buffer), which GPUs and TPUs do not; float32 shows the program's own copies."""
+    common = ["--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+              "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--mesh", "tensor=8",
+              "--batch", "1", "--context", "4096", "--dtype", "float32", "--check-copies"]
+    for extra in (["--method", "ar"], ["--method", "sd", "--exits", "12"],
+                  ["--method", "s2d", "--exits", "6,9,12"]):
+        proc = _cli(*common, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        print(proc.stdout)
+        assert re.findall(r"cache copies (\d+), out-of-place cache updates (\d+)",
+                          proc.stdout) == [("0", "0")], proc.stdout

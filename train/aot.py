@@ -10,20 +10,19 @@ Prints per-device memory from `compiled.memory_analysis()` and the compile time.
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices
+from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 GIB = 2**30
 
 
 def _parse(argv):
-    p = ArgumentParser(prog="python -m train.aot", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
-    p.add_argument("--target", default=None,
+    p = ArgumentParser(prog="python -m train.aot", description=__doc__)
+    p.add_argument("--config", required=True, type=path_arg,
+                   help="training YAML (configs/train/*.yaml)")
+    p.add_argument("--target", default=None, type=path_arg,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
     add_fake_devices_flag(p)
     p.add_argument("overrides", nargs="*", help="key=value config overrides")

@@ -10,22 +10,21 @@ first 12 layers) scaled down for CPU with the same vocab / hidden ratio (32000 /
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from infer.args import ArgumentParser, check_at_least, parse_ints
+from infer.args import ArgumentParser, check_at_least, parse_ints, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
-    p = ArgumentParser(prog="python -m train.bench_step", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model YAML (default: 12-layer CPU proxy)")
+    p = ArgumentParser(prog="python -m train.bench_step", description=__doc__)
+    p.add_argument("--model", default=None, type=path_arg,
+                   help="model YAML (default: 12-layer CPU proxy)")
     p.add_argument("--exits", default="6,9,12", help="comma-separated exits, e.g. 6,9,12")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--remat", default="full")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--remat", default="full", help="activation rematerialisation policy")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     return p.parse_args(argv)
 

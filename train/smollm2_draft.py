@@ -27,12 +27,11 @@ the committed draft pack, calibration.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 
-from infer.args import ArgumentParser, finite_number, parse_ints
+from infer.args import ArgumentParser, finite_number, parse_ints, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
@@ -43,6 +42,7 @@ KD_WEIGHT = 0.0
 # Spec-Bench-shaped prompts disjoint from Spec-Bench and from the distillation prompts: the
 # exit choice and the calibration measure on these.
 CALIBRATION_PROMPTS = "data/smollm2_calibration.jsonl"
+TRAIN_CONFIG = "configs/train/smollm2_draft.yaml"
 # How many prompts of each training file are answered (0 = all of it).
 PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.jsonl": 0,
                 "data/self_instruct_user_oriented.jsonl": 0,
@@ -51,12 +51,14 @@ PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.js
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=DEFAULT_TARGET, help="the target's HF dir (fetched "
+    ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__)
+    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg,
+                    help="the target's HF dir (fetched "
                     "by python -m infer.fetch_smollm2)")
-    ap.add_argument("--work", default="runs/smollm2_draft", help="data, checkpoints, logs")
-    ap.add_argument("--out", default="models/smollm2-draft", help="the draft pack to write")
+    ap.add_argument("--work", default="runs/smollm2_draft", type=path_arg,
+                    help="data, checkpoints, logs")
+    ap.add_argument("--out", default="models/smollm2-draft", type=path_arg,
+                    help="the draft pack to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
     ap.add_argument("--head-vocab", type=int, default=4096,
@@ -73,21 +75,31 @@ def parse_args(argv):
                     help="auto: ship the exits up to the last one that is accepted measurably "
                     "more often than the one before it (the pack keeps only the layers they "
                     "read); all: every trained exit")
-    ap.add_argument("--skip-calibration", action="store_true")
+    ap.add_argument("--skip-calibration", action="store_true",
+                    help="do not calibrate the new draft's S2D setting")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
     args.exits = parse_ints(args.exits, "--exits")
     if not os.path.isdir(args.target):
         ap.error(f"target {args.target} does not exist; fetch it with "
                  f"python -m infer.fetch_smollm2 or pass --target DIR")
-    if os.path.exists(args.out) and not args.overwrite:
-        ap.error(f"{args.out} already exists; pass --overwrite to replace it or choose --out")
     if not 0.0 <= args.kd_weight <= 1.0:
         ap.error(f"--kd-weight must lie in [0, 1], got {args.kd_weight}")
     for name in ("distill_batches", "steps", "head_vocab"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    from s2d_jax.io.outputs import DIR, DRAFT_PACK, HF_DIR, Output, check_outputs
+    check_outputs([Output("--work", args.work, DIR),
+                   Output("--out", args.out, DRAFT_PACK, args.overwrite),
+                   Output("--work's trained draft", draft_hf_dir(args), HF_DIR, True)],
+                  {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
+                   "calibration prompts": CALIBRATION_PROMPTS, "config": TRAIN_CONFIG})
     return args
+
+
+def draft_hf_dir(args) -> str:
+    """Where SoFT exports the trained draft (replaced by each run)."""
+    return os.path.join(args.work, "draft_hf")
 
 
 def distill(args, log) -> str:
@@ -121,7 +133,7 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
             f"data.paths=[{rows}]", f"draft.exits=[{','.join(map(str, args.exits))}]",
             f"checkpoint.dir={os.path.abspath(os.path.join(args.work, 'ckpt'))}",
             f"metrics_path={os.path.join(args.work, 'metrics.jsonl')}",
-            f"export_dir={os.path.join(args.work, 'draft_hf')}", "export_overwrite=true"]
+            f"export_dir={draft_hf_dir(args)}", "export_overwrite=true"]
     if args.head_vocab:
         from s2d_jax.config import read_hf_config
         vocab = read_hf_config(os.path.join(args.target, "config.json")).vocab_size
@@ -133,7 +145,7 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
         over.append(f"optimizer.total_steps={args.steps}")
     if teacher:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
-    tc = load_train_config("configs/train/smollm2_draft.yaml", over)
+    tc = load_train_config(TRAIN_CONFIG, over)
     out = train(tc)
     last = out["history"][-1] if out["history"] else None
     if last:

@@ -9,14 +9,39 @@ checkpoint.dir=runs/x export_dir=runs/x/hf`. The run resumes from the latest che
 
 from __future__ import annotations
 
-import argparse
 import os
 
-from infer.args import ArgumentParser, check_output_path
+from infer.args import ArgumentParser, check_output_path, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 
-def check_outputs(tc) -> None:
+def config_files(path: str) -> list[str]:
+    """The config file and those it includes through `base:` (inputs of the run too)."""
+    from s2d_jax.readers import read_yaml
+    files = []
+    while path and path not in files:  # a loop of bases ends at the first repeat
+        files.append(path)
+        data = read_yaml(path)
+        base = data.get("base") if isinstance(data, dict) else None
+        path = os.path.join(os.path.dirname(path), base) if isinstance(base, str) else None
+    return files
+
+
+def check_train_outputs(tc, config: str) -> None:
+    """Checkpoints, metrics and the export may overwrite no input of the run ("" = off)."""
+    from s2d_jax.io.outputs import DIR, FILE, HF_DIR, Output, check_outputs
+    check_outputs(
+        [Output("checkpoint.dir", tc.checkpoint.dir or None, DIR),
+         Output("metrics_path", tc.metrics_path or None, FILE),
+         Output("export_dir", tc.export_dir or None, HF_DIR, tc.export_overwrite,
+                "export_overwrite=true")],
+        {"--config": config_files(config), "model.path": tc.model.path,
+         "data.paths": list(tc.data.paths), "data.tokenizer": tc.data.tokenizer,
+         "data.teacher": tc.data.teacher, "draft.head_vocab": tc.draft.head_vocab})
+    check_writable(tc)
+
+
+def check_writable(tc) -> None:
     """Fail before any compiling when an output cannot be written (a metrics file that is a
     directory, a checkpoint dir under a file or read-only: orbax's OSError otherwise)."""
     if tc.metrics_path:
@@ -32,9 +57,9 @@ def check_outputs(tc) -> None:
 
 @cli_main
 def main(argv=None):
-    p = ArgumentParser(prog="python -m train.soft", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="training YAML (configs/train/*.yaml)")
+    p = ArgumentParser(prog="python -m train.soft", description=__doc__)
+    p.add_argument("--config", required=True, type=path_arg,
+                   help="training YAML (configs/train/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
@@ -43,7 +68,7 @@ def main(argv=None):
     from s2d_jax.train.loop import train
 
     tc = load_train_config(args.config, args.overrides)
-    check_outputs(tc)
+    check_train_outputs(tc, args.config)
     try:
         out = train(tc, progress=not args.no_progress)
     except OSError as e:  # disk full, a path the checks above cannot foresee (/proc)

@@ -44,11 +44,17 @@ def main(argv=None):
 
     import os
     check_output_path(args.out, is_dir=True)
-    run_dir = args.run_dir or (os.path.join(args.out, "run") if args.smoke
-                               else os.path.join("runs", "demo_family"))
-    questions = args.questions or (os.path.join(run_dir, "demo_questions.jsonl") if args.smoke
-                                   else os.path.join("data", "demo_questions.jsonl"))
+    run_dir = args.run_dir if args.run_dir is not None else (
+        os.path.join(args.out, "run") if args.smoke else os.path.join("runs", "demo_family"))
+    questions = args.questions if args.questions is not None else (
+        os.path.join(run_dir, "demo_questions.jsonl") if args.smoke
+        else os.path.join("data", "demo_questions.jsonl"))
     calibration = os.path.join(os.path.dirname(questions), "demo_calibration.jsonl")
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    check_outputs([Output("--out", args.out, DIR), Output("--run-dir", run_dir, DIR),
+                   Output("--questions", questions), Output("the calibration prompts",
+                                                            calibration)],
+                  {"--corpus": args.corpus, "--configs": args.configs})
     paths = FamilyPaths(out=args.out, run_dir=run_dir, corpus=args.corpus, questions=questions,
                         calibration=calibration,
                         model_configs=os.path.join(args.configs, "models"),

@@ -161,9 +161,8 @@ class Conversations:
                for q in questions for j in range(1, len(q["turns"]))])
 
     def answer_text(self, ids) -> str:
-        # as Spec-Bench puts an answer into the conversation: decoded, special tokens
-        # dropped, whitespace stripped
-        return self.tok.decode(ids).strip()
+        from s2d_jax.data.prompts import reply_text
+        return reply_text(self.tok, ids)
 
     def next_prompt(self, width: int):
         """next_turn for run_target, refusing a prompt wider than the decoders' `width`."""

@@ -187,6 +187,10 @@ def _final_names(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class DataIterator:
     """A grain iterator of host batches with JSON-serialisable `get_state`/`set_state`."""
 
+    # The state is this host's place in its own share of the examples: checkpoints keep
+    # one per process, and only the same process count can continue it.
+    state_per_process = True
+
     def __init__(self, dataset, cfg: DataConfig, stats: dict, per_host_batch: int):
         self.dataset, self.cfg, self.stats = dataset, cfg, stats
         self.per_host_batch = per_host_batch

@@ -38,20 +38,70 @@ def resolve_template(tok, choice: str, fallback: str) -> tuple[str, str | None]:
 def render_chat(tok, user_turns, assistant_turns=()) -> str:
     """The tokenizer's own template rendered for [user 1, assistant 1, ..., user n] with the
     assistant's generation header at the end."""
-    if tok.chat_template is None:
-        raise S2DError(f"tokenizer {tok.path} has no chat template; use --chat-template "
-                       f"vicuna or none")
     messages = []
     for k, q in enumerate(user_turns):
         messages.append({"role": "user", "content": q})
         if k < len(assistant_turns):
             messages.append({"role": "assistant", "content": assistant_turns[k]})
+    return render_messages(tok, messages)
+
+
+def render_messages(tok, messages: list[dict]) -> str:
+    """The tokenizer's own template rendered for chat messages ({"role", "content"}) with
+    the assistant's generation header at the end."""
+    if tok.chat_template is None:
+        raise S2DError(f"tokenizer {tok.path} has no chat template; use --chat-template "
+                       f"vicuna or none")
     try:
         return tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # Jinja raises assorted types (its own raise_exception included)
         raise S2DError(f"the chat template of {tok.path} fails to render ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); use --chat-template "
                        f"vicuna or none") from e
+
+
+def split_messages(messages) -> tuple[str | None, list[str], list[str]]:
+    """Chat messages -> (system text or None, user turns, assistant turns), refusing
+    anything but an optional system message first, then user and assistant alternating,
+    ending with a user turn (the one to answer)."""
+    if isinstance(messages, str) or not isinstance(messages, (list, tuple)) or not messages:
+        raise S2DError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                       "dicts, e.g. [{'role': 'user', 'content': 'Hi'}]")
+    system, users, assistants = None, [], []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("content"), str)
+                and m.get("role") in ("system", "user", "assistant")):
+            raise S2DError(f"message {i} is not {{'role': 'system'|'user'|'assistant', "
+                           f"'content': str}}; got {m!r:.80}")
+        expected = "user" if len(users) == len(assistants) else "assistant"
+        if m["role"] == "system" and i == 0:
+            system = m["content"]
+        elif m["role"] != expected:
+            raise S2DError(f"message {i} has role {m['role']!r} where {expected!r} comes next; "
+                           f"alternate user and assistant (a system message only first)")
+        else:
+            (users if expected == "user" else assistants).append(m["content"])
+    if len(users) != len(assistants) + 1:
+        raise S2DError("the last message must be the user's (the turn to answer)")
+    return system, users, assistants
+
+
+def messages_ids(tok, template: str, messages) -> list[int]:
+    """Token ids of the generation prompt for chat messages in `template` (resolved: auto,
+    vicuna or none); a system message needs the tokenizer's own template."""
+    system, users, assistants = split_messages(messages)
+    if template == "auto":
+        return tok.encode_rendered(render_messages(tok, list(messages)))
+    if system is not None:
+        raise S2DError(f"the {template} template has no system message; drop it or use a "
+                       f"tokenizer with its own chat template")
+    return prompt_ids(tok, template, users, assistants)
+
+
+def reply_text(tok, ids) -> str:
+    """An answer's ids as the conversation holds it for the next turn (as Spec-Bench puts
+    an answer into MT-bench's second turn): decoded, special tokens dropped, stripped."""
+    return tok.decode(ids).strip()
 
 
 def prompt_ids(tok, template: str, user_turns, assistant_turns=()) -> list[int]:

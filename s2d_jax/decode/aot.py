@@ -20,7 +20,9 @@ from s2d_jax.decode import engine
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.transformer import param_shardings
-from s2d_jax.parallel.memory import cache_bytes, tree_bytes, tree_bytes_per_device
+from s2d_jax.decode.hlo_copies import cache_traffic
+from s2d_jax.parallel.mesh import cache_sharding
+from s2d_jax.parallel.memory import cache_bytes, cache_shape, tree_bytes, tree_bytes_per_device
 from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
 
@@ -172,6 +174,18 @@ def param_gathers(hlo_text: str, cfgs: list[ModelConfig], mesh) -> list[str]:
                 found.append(line.strip()[:160])
                 break
     return found
+
+
+def loop_cache_traffic(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None) -> dict:
+    """`hlo_copies.cache_traffic` of a compiled generation whose models are `cfgs` (the
+    caches' per-device shapes: rows over data/fsdp, kv heads over tensor)."""
+    shapes = []
+    for cfg in cfgs:
+        if cfg is None:
+            continue
+        shape = cache_shape(cfg, batch, max_len)
+        shapes.append(cache_sharding(mesh).shard_shape(shape) if mesh is not None else shape)
+    return cache_traffic(hlo_text, shapes)
 
 
 def format_report(rep: dict, device_bytes: int | None = None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from s2d_jax.config import ModelConfig
 
+METHODS = ("ar", "sd", "self", "s2d")  # here, not in state.py: CLIs list them before JAX starts
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
 BUFFER_BUCKET = 64  # the token / KV-cache buffer per row is a multiple of this
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.model.kvcache import KVCache
+from s2d_jax.model.kvcache import KVCache, ordered_after, write_layers
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -52,17 +52,17 @@ def _segment(params: dict, exits: tuple[int, ...], i: int) -> dict:
     return model.layer_slice(params, exits[i - 1] if i else 0, exits[i])
 
 
-def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
-                    start: int, end: int, cache: KVCache, layers: dict | None = None) -> KVCache:
+def calm_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
+            start: int, end: int, cache: KVCache, layers: dict | None = None):
     """CALM K/V for layers [start, end) from hidden states h [B, T, D] at positions [B, T]
-    (`layers`: those layers' weights if already sliced).
+    (`layers`: those layers' weights if already sliced) -> (k, v [end - start, B, T, K, H],
+    the positions to write them at [B, T]); `cache` is only read (its lengths).
 
-    Only positions >= cache.lengths are written: below it the cache already holds K/V for
-    these very tokens (exact from the prefill or a deeper pass, or an earlier fill), and an
-    approximation must not overwrite an exact value (re-feeding the catch-up window's
-    first position would otherwise replace its prefill K/V)."""
-    if start == end:
-        return cache
+    Only positions >= cache.lengths are written (the others go to slot max_len, which the
+    write skips): below it the cache already holds K/V for these very tokens (exact from
+    the prefill or a deeper pass, or an earlier fill), and an approximation must not
+    overwrite an exact value (re-feeding the catch-up window's first position would
+    otherwise replace its prefill K/V)."""
     lp = model.layer_slice(params, start, end) if layers is None else layers
     dt = h.dtype
     x32 = h.astype(jnp.float32)
@@ -73,13 +73,71 @@ def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: j
     B, T, L, K, H = k.shape
     cos, sin = cos_sin(cfg, positions)
     k = apply_rope(k.reshape(B, T, L * K, H), cos, sin).reshape(B, T, L, K, H)
-    k = jnp.moveaxis(k, 2, 0)  # [L, B, T, K, H]
-    li = jnp.arange(start, end)[:, None, None]
-    bi = jnp.arange(B)[None, :, None]
-    # held positions are sent out of bounds, which mode="drop" skips
-    pi = jnp.where(positions < cache.lengths[:, None], cache.max_len, positions)[None]
-    return cache.replace(k=cache.k.at[li, bi, :, pi].set(k.astype(cache.k.dtype), mode="drop"),
-                         v=cache.v.at[li, bi, :, pi].set(v.astype(cache.v.dtype), mode="drop"))
+    held = positions < cache.lengths[:, None]
+    return jnp.moveaxis(k, 2, 0), v, jnp.where(held, cache.max_len, positions)
+
+
+def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
+                    start: int, end: int, cache: KVCache, layers: dict | None = None) -> KVCache:
+    """`calm_kv` written into the cache."""
+    if start == end:
+        return cache
+    k, v, at = calm_kv(params, cfg, h, positions, start, end, cache, layers)
+    return write_layers(cache, start, k, v, at)
+
+
+def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndarray,
+                   positions: jnp.ndarray, key: jax.Array, sp: SamplingParams,
+                   thresholds: jnp.ndarray, exits: tuple[int, ...],
+                   conf_kind: str = "max_prob", kv_fill: str = "calm"):
+    """`draft_token` that only reads the cache: it returns the new keys/values of layers
+    [0, exits[-1]) instead, (k, v [exits[-1], B, T, K, H], positions [exits[-1], B, T]),
+    and the cache to write them into (`write_layers(cache, 0, ...)`: the same buffers,
+    ordered after every read, `kvcache.ordered_after`). Why: every `lax.cond` here (and the caller's) then
+    carries only what its branch changes; a cache updated inside a branch is copied whole
+    on entry to it (measured in the compiled HLO, tests/test_loop_copies.py)."""
+    m = len(exits)
+    B = tokens.shape[0]
+    h = model.embed_tokens(params, cfg, tokens)
+    h, (k, v) = model.run_layers(params, cfg, h, positions, 0, exits[0], cache,
+                                 layers=_segment(params, exits, 0), defer_writes=True)
+    ks, vs, ps = [k], [v], [jnp.broadcast_to(positions, k.shape[:3])]
+    logits = model.lm_logits(params, cfg, h[:, -1], decode=True)
+    conf = confidence(logits, sp, conf_kind)
+    exit_idx = jnp.zeros((B,), jnp.int32)
+    # threshold 1 means "never stop here", even if the confidence rounds to exactly 1.
+    decided = (conf >= thresholds[0]) & (thresholds[0] < 1.0) if m > 1 else jnp.ones((B,), bool)
+
+    for i in range(1, m):  # static, small: one graph node per exit
+        lo, hi, seg = exits[i - 1], exits[i], _segment(params, exits, i)
+
+        def deeper(h, lo=lo, hi=hi, seg=seg):
+            h, (k, v) = model.run_layers(params, cfg, h, positions, lo, hi, cache,
+                                         layers=seg, defer_writes=True)
+            return h, k, v, jnp.broadcast_to(positions, k.shape[:3]), \
+                model.lm_logits(params, cfg, h[:, -1], decode=True)
+
+        def skip(h, lo=lo, hi=hi, seg=seg):
+            k, v, at = calm_kv(params, cfg, h, positions, lo, hi, cache, seg)
+            return h, k, v, jnp.broadcast_to(at, k.shape[:3]), logits * 0
+
+        need = ~decided
+        if kv_fill == "full":
+            h, k, v, at, new_logits = deeper(h)
+        else:
+            h, k, v, at, new_logits = jax.lax.cond(jnp.any(need), deeper, skip, h)
+        ks, vs, ps = ks + [k], vs + [v], ps + [at]
+        new_conf = confidence(new_logits, sp, conf_kind)
+        logits = jnp.where(need[:, None], new_logits, logits)
+        conf = jnp.where(need, new_conf, conf)
+        exit_idx = jnp.where(need, i, exit_idx)
+        keep = (new_conf >= thresholds[i]) & (thresholds[i] < 1.0) if i < m - 1 else True
+        decided = decided | (need & keep)
+
+    q = probs_from_logits(logits, sp)
+    kv = tuple(jnp.concatenate(x, axis=0) for x in (ks, vs, ps))
+    # the cache to write kv into: ordered after the last read of it (the final h)
+    return sample(key, q, sp.greedy), q, exit_idx, conf, kv, ordered_after(cache, h)
 
 
 def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndarray,
@@ -91,42 +149,9 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
     Returns (token [B], q [B, V] the distribution it was drawn from, exit index [B],
     confidence [B] of the kept exit, cache with the new keys/values).
     """
-    m = len(exits)
-    B = tokens.shape[0]
-    h = model.embed_tokens(params, cfg, tokens)
-    h, cache = model.run_layers(params, cfg, h, positions, 0, exits[0], cache,
-                                layers=_segment(params, exits, 0))
-    logits = model.lm_logits(params, cfg, h[:, -1])
-    conf = confidence(logits, sp, conf_kind)
-    exit_idx = jnp.zeros((B,), jnp.int32)
-    # threshold 1 means "never stop here", even if the confidence rounds to exactly 1.
-    decided = (conf >= thresholds[0]) & (thresholds[0] < 1.0) if m > 1 else jnp.ones((B,), bool)
-
-    for i in range(1, m):  # static, small: one graph node per exit
-        lo, hi, seg = exits[i - 1], exits[i], _segment(params, exits, i)
-
-        def deeper(h, cache, lo=lo, hi=hi, seg=seg):
-            h, cache = model.run_layers(params, cfg, h, positions, lo, hi, cache, layers=seg)
-            return h, cache, model.lm_logits(params, cfg, h[:, -1])
-
-        def skip(h, cache, lo=lo, hi=hi, seg=seg):
-            return (h, fill_skipped_kv(params, cfg, h, positions, lo, hi, cache, seg),
-                    logits * 0)
-
-        need = ~decided
-        if kv_fill == "full":
-            h, cache, new_logits = deeper(h, cache)
-        else:
-            h, cache, new_logits = jax.lax.cond(jnp.any(need), deeper, skip, h, cache)
-        new_conf = confidence(new_logits, sp, conf_kind)
-        logits = jnp.where(need[:, None], new_logits, logits)
-        conf = jnp.where(need, new_conf, conf)
-        exit_idx = jnp.where(need, i, exit_idx)
-        keep = (new_conf >= thresholds[i]) & (thresholds[i] < 1.0) if i < m - 1 else True
-        decided = decided | (need & keep)
-
-    q = probs_from_logits(logits, sp)
-    return sample(key, q, sp.greedy), q, exit_idx, conf, cache
+    d, q, e, c, kv, cache = draft_token_kv(params, cfg, cache, tokens, positions, key, sp,
+                                           thresholds, exits, conf_kind, kv_fill)
+    return d, q, e, c, write_layers(cache, 0, *kv)
 
 
 def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarray,
@@ -144,7 +169,7 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     # the verifier's correction or bonus); less if the last call's drafts were not all fed.
     cache = cache.with_lengths(jnp.where(rows, jnp.minimum(cache.lengths, start - 1),
                                          cache.lengths))
-    step = functools.partial(draft_token, params, cfg, sp=dp.sampling,
+    step = functools.partial(draft_token_kv, params, cfg, sp=dp.sampling,
                              thresholds=dp.thresholds, exits=spec.exits,
                              conf_kind=spec.confidence, kv_fill=spec.kv_fill)
     # The first step feeds the last n tokens (the catch-up window, round.py). Positions
@@ -152,25 +177,33 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     # position would change dynamic-NTK rope (batch max position) for every row.
     pos_w = jnp.maximum((start - n)[:, None] + jnp.arange(n, dtype=jnp.int32), 0)
     tok_w = jnp.take_along_axis(work, pos_w, axis=1)
-    d0, q0, e0, c0, cache = step(cache, tok_w, pos_w, jax.random.fold_in(key, 0))
+    d0, q0, e0, c0, kv0, cache = step(cache, tok_w, pos_w, jax.random.fold_in(key, 0))
+    cache = write_layers(cache, 0, *kv0)
     # Dynamic draft length (off when stop_threshold = 0): a row stops proposing after a
     # token whose confidence is below stop_threshold; a step no row needs is skipped.
     active0 = (c0 >= dp.stop_threshold) & rows
+    kv_shape = jax.eval_shape(lambda: step(cache, work[:, :1], pos_w[:, :1], key)[4])
 
     def body(carry, g):
         cache, prev, active = carry
         if limit is not None:
             active = active & (g < limit)
 
-        def run(cache):
+        # The branches only read the cache; the step's keys/values are written after
+        # (a cache written inside a branch is copied whole on entry to it).
+        def run():
             pos = jnp.minimum(start - 1 + g, S - 1)[:, None]
-            return step(cache, prev[:, None], pos, jax.random.fold_in(key, g))
+            return step(cache, prev[:, None], pos, jax.random.fold_in(key, g))[:5]
 
-        def skip(cache):
+        def skip():
+            k, v, at = kv_shape
             return (jnp.zeros_like(prev), jnp.zeros_like(q0), jnp.zeros_like(e0),
-                    jnp.zeros_like(c0), cache)
+                    jnp.zeros_like(c0), (jnp.zeros(k.shape, k.dtype),
+                                         jnp.zeros(v.shape, v.dtype),
+                                         jnp.full(at.shape, cache.max_len, at.dtype)))  # skipped
 
-        d, q, e, c, cache = jax.lax.cond(jnp.any(active), run, skip, cache)
+        d, q, e, c, kv = jax.lax.cond(jnp.any(active), run, skip)
+        cache = write_layers(cache, 0, *kv)
         return (cache, d, active & (c >= dp.stop_threshold)), (d, q, e, active)
 
     (cache, _, _), (ds, qs, es, act) = jax.lax.scan(

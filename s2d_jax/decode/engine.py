@@ -27,7 +27,7 @@ from s2d_jax.decode.round import check_done, one_round
 from s2d_jax.decode.sampling import probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.model import transformer as model
+from s2d_jax.model import small_matmul, transformer as model
 from s2d_jax.model.kvcache import init_cache
 from s2d_jax.parallel.mesh import CACHE_AXES, spec as logical_spec
 
@@ -65,7 +65,7 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
                                  target_cfg.num_layers, tcache, fresh=True)
     # Only the last prompt token's logits are needed: the head runs on one row, not P.
     h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
-    last_logits = model.lm_logits(target_params, target_cfg, h_last)[:, 0]
+    last_logits = model.lm_logits(target_params, target_cfg, h_last, decode=True)[:, 0]
     key, k_first = jax.random.split(key)
     first = sample(k_first, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
 
@@ -124,6 +124,16 @@ def _generate(draft_params, target_params, prompts, prompt_lens, dp: DecodeParam
                         mid_cfgs=mid_cfgs)
 
 
-generate = jax.jit(_generate, static_argnames=STATIC)
-prefill = jax.jit(_prefill, static_argnames=STATIC)
-decode_chunk = jax.jit(_decode_loop, static_argnames=STATIC, donate_argnames=("state",))
+def _traced_for_mesh(fn):
+    """fn traced with the small-matmul kernel only where it runs unsharded (small_matmul.for_mesh)."""
+    @functools.wraps(fn)
+    def wrapped(*args, mesh=None, **kwargs):
+        with small_matmul.for_mesh(mesh):
+            return fn(*args, mesh=mesh, **kwargs)
+    return wrapped
+
+
+generate = jax.jit(_traced_for_mesh(_generate), static_argnames=STATIC)
+prefill = jax.jit(_traced_for_mesh(_prefill), static_argnames=STATIC)
+decode_chunk = jax.jit(_traced_for_mesh(_decode_loop), static_argnames=STATIC,
+                       donate_argnames=("state",))

@@ -200,6 +200,8 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
         lo, hi = int(s.prompt_len[b]), int(s.length[b])
         rounds = int(st.rounds[b])
         proposed = st.proposed_at[b]
+        calls = rounds + (hi > lo)  # each round's verify forward and the prefill's
+        drafted = int(np.sum(proposed))
         out.append({
             "token_ids": s.tokens[b, lo:hi].tolist(),
             "stats": {
@@ -211,6 +213,14 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "acceptance_rate_per_position": [
                     float(a) / float(p) if p else None for a, p in zip(st.accepted_at[b], proposed)],
                 "exit_usage": st.exit_counts[b].tolist(),
+                # the readable statistics (decode/stats_line.py): what one target forward
+                # bought, and which exit drafted how many tokens, how many of them kept
+                "target_calls": calls,
+                "tokens_per_target_call": (hi - lo) / calls if calls else None,
+                "drafted_by_exit": {str(e): int(n) for e, n in zip(spec.exits,
+                                                                   st.exit_counts[b])},
+                "draft_acceptance": (float(np.sum(st.accepted_at[b])) / drafted
+                                     if drafted else None),
                 # Chain levels k = 1 .. n-1 (n = 2: the target): acceptance of level k-1's
                 # tokens by level k, and level k's forwards.
                 "mus": list(spec.mus),

@@ -15,9 +15,9 @@ from flax import struct
 
 from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import KVCache
+from s2d_jax.decode.defaults import METHODS
 from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
 
-METHODS = ("ar", "sd", "self", "s2d")
 KV_FILL = ("calm", "full")
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 
 from s2d_jax.errors import S2DError
+from s2d_jax.io.outputs import check_replaceable, mark_output
 
 
 def current_umask() -> int:
@@ -64,24 +67,69 @@ def write_atomic(path: str, data: str | bytes) -> None:
         raise
 
 
+def _temp_prefix(out: str) -> str:
+    """Temp dirs beside `out` name their owner (host, pid), so a later run can tell a
+    killed run's leftovers from a live run's work."""
+    return f".{os.path.basename(out)}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _owner_is_gone(host: str, pid: int) -> bool:
+    """Only a process on this host can be asked; another host's temp is never judged stale."""
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # e.g. EPERM: alive, another user's
+        return False
+    return False
+
+
+def remove_stale_temps(out: str) -> None:
+    """Remove the temp dirs a killed run left beside `out` (its own name only, owner gone).
+
+    A stale `.tmp-*` dir is half-written (or complete but never renamed): nothing in it is
+    kept. A stale `.old` dir is the previous output, removed only when `out` exists (the
+    rename finished); without `out` it is the last complete output and stays."""
+    parent, base = os.path.split(out)
+    pattern = re.compile(rf"\.{re.escape(base)}\.tmp-(.+)-(\d+)-[^-.]+(\.old)?")
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        m = pattern.fullmatch(name)
+        if not m or not _owner_is_gone(m.group(1), int(m.group(2))):
+            continue
+        if m.group(3) and not os.path.lexists(out):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) and not \
+            os.path.islink(path) else os.remove(path)
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out_dir: str, overwrite: bool = False):
+def atomic_output_dir(out_dir: str, overwrite: bool = False, kind: str = "dir"):
     """Yield a temp dir next to `out_dir`; rename it to `out_dir` only if the block succeeds.
 
     A failure leaves nothing at `out_dir`; an existing `out_dir` is replaced only with
-    `overwrite=True`, and only once the new one is complete.
+    `overwrite=True`, only if it is an earlier output of the same `kind` (its marker,
+    outputs.py) or empty, and only once the new one is complete. The new one gets the
+    marker of `kind`.
     """
     out = os.path.abspath(out_dir)
-    if os.path.lexists(out) and not overwrite:
-        raise S2DError(f"output {out_dir} already exists; pass --overwrite or choose another path")
+    check_replaceable("output", out_dir, kind, overwrite)
     parent = os.path.dirname(out)
     try:
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+        remove_stale_temps(out)
+        tmp = tempfile.mkdtemp(prefix=_temp_prefix(out), dir=parent)
     except OSError as e:
         raise _cannot_write(out_dir, e) from None
     try:
         yield tmp
+        mark_output(tmp, kind)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -90,6 +138,6 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False):
         old = tmp + ".old"
         os.rename(out, old)
         os.rename(tmp, out)
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
     else:
         os.rename(tmp, out)

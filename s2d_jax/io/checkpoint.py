@@ -22,8 +22,9 @@ import orbax.checkpoint as ocp
 from s2d_jax.config import DTYPES, ModelConfig, build, read_hf_config
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.outputs import CHECKPOINT
 from s2d_jax.model.params import param_shapes
-from s2d_jax.readers import read_json
+from s2d_jax.readers import expand_path, read_json
 
 SIDECAR = "s2d_config.json"
 PARAMS_ITEM = "params"
@@ -99,7 +100,7 @@ def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None
     sidecar = {"format": FORMAT, "version": VERSION, "model": dataclasses.asdict(cfg),
                "extra": dict(extra or {})}
     json.dumps(sidecar)  # fail before writing anything if extra is not JSON
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, CHECKPOINT) as tmp:
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, PARAMS_ITEM), params)
         ckptr.wait_until_finished()
@@ -186,6 +187,7 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     """
     from s2d_jax.io import gguf, hf  # both import this module: import them when called
 
+    path = expand_path(path)
     kind = checkpoint_kind(path)
     if kind == "gguf":
         return gguf.load_gguf(path, num_layers, dtype, shardings)

@@ -31,8 +31,9 @@ from safetensors.numpy import load_file, save_file
 from s2d_jax.config import ModelConfig, build
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.outputs import DRAFT_PACK
 from s2d_jax.model.params import param_shapes
-from s2d_jax.readers import read_json
+from s2d_jax.readers import expand_path, read_json
 
 PACK_SIDECAR = "s2d_draft_pack.json"
 PACK_WEIGHTS = "weights.safetensors"
@@ -93,7 +94,7 @@ def save_draft_pack(out_dir: str, cfg: ModelConfig, params: dict, extra: dict, *
                "weights": weights, "embed_sha256": fingerprint,
                "target": target_name}
     json.dumps(sidecar)  # fail before writing anything if extra is not JSON
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, DRAFT_PACK) as tmp:
         save_file(tensors, os.path.join(tmp, PACK_WEIGHTS))
         with open(os.path.join(tmp, PACK_SIDECAR), "w") as f:
             json.dump(sidecar, f, indent=1)
@@ -186,6 +187,7 @@ def load_draft(path: str, target, dtype=None, shardings=None
     """
     from s2d_jax.io.checkpoint import load_model
 
+    path = expand_path(path)
     if os.path.isdir(path) and is_draft_pack(path):
         if isinstance(target, str):  # only the shared weights are needed: one layer
             target = load_model(target, num_layers=1)[1]

@@ -300,9 +300,36 @@ def gguf_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(os.path.dirname(path),
                                              gguf_file=os.path.basename(path),
                                              local_files_only=True)
+    except ImportError as e:  # transformers' GGUF reader imports torch, not in the core install
+        try:
+            return _tokenizer_from_metadata(f)
+        except ImportError:
+            raise S2DError(f"cannot build a tokenizer from {path}: this transformers version "
+                           f"needs torch for it ({e}); pip install torch, or pass --tokenizer "
+                           f"DIR") from None
     except Exception as e:  # transformers raises assorted types for tokenizers it lacks
         raise S2DError(f"cannot build a tokenizer from {path} ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); pass --tokenizer DIR")
+
+
+def _tokenizer_from_metadata(f: GGUFFile):
+    """transformers' own GGUF tokenizer conversion (transformers >= 5), fed with metadata
+    read by the gguf package instead of transformers' reader, which needs torch."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING, _SPECIAL_TOKENS, convert_gguf_tokenizer)
+
+    grouped = {group: {name: f.get(f"tokenizer.{key}") for key, name in renames.items()
+                       if f.get(f"tokenizer.{key}") is not None}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokens.get("tokenizer_type") == "llama":  # as transformers' get_gguf_tokenizer
+        config.setdefault("add_bos_token", True)
+    for name, key in _SPECIAL_TOKENS.items():
+        token_id = f.get(f"tokenizer.ggml.{key}")
+        config[name] = tokens["tokens"][int(token_id)] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(f.get("general.architecture"), tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
 def save_gguf_tokenizer(path: str, out_dir: str) -> None:

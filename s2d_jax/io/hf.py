@@ -22,6 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from s2d_jax.io.atomic import atomic_output_dir
+from s2d_jax.io.outputs import HF_DIR
 from s2d_jax.io.checkpoint import normalize_dtype, tokenizer_files
 from s2d_jax.config import ModelConfig, read_hf_config
 from s2d_jax.errors import S2DError
@@ -235,7 +236,7 @@ def export_hf(params: dict, cfg: ModelConfig, out_dir: str, extra: dict | None =
         names = ["model.safetensors"]
     shard_of = {n: k for k, shard in enumerate(shards) for n in shard}
 
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, HF_DIR) as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=2)
         pending: dict[str, np.ndarray] = {}

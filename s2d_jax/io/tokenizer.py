@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from s2d_jax.errors import S2DError
-from s2d_jax.readers import read_json
+from s2d_jax.readers import expand_path, read_json
 
 SPACE = "\u2581"  # sentencepiece's whitespace symbol "▁"
 # One sentencepiece word: a run of "▁" with the non-space characters that follow it, or a
@@ -98,7 +98,7 @@ class Tokenizer:
 def load_tokenizer(path: str) -> Tokenizer:
     """Load a local tokenizer directory (no hub): Llama `tokenizer.model` or `tokenizer.json`;
     or the tokenizer in a `.gguf` file's metadata."""
-    path = os.fspath(path)
+    path = expand_path(os.fspath(path))
     if path.lower().endswith(".gguf"):  # a llama.cpp model file carries its tokenizer
         from s2d_jax.io.gguf import gguf_tokenizer
         hf = gguf_tokenizer(path)

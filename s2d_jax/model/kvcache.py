@@ -12,6 +12,7 @@ there (SmolLM2-135M, 30 layers, 1280 slots: ~20% of a target step).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -43,3 +44,32 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     shape = cache_shape(cfg, batch, max_len)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def write_layers(cache: KVCache, start: int, k: jnp.ndarray, v: jnp.ndarray,
+                 positions: jnp.ndarray) -> KVCache:
+    """Write keys/values k, v [L', B, T, K, H] of layers [start, start + L') at positions
+    [L', B, T] or [B, T] (slots past the cache, e.g. max_len, are skipped), in place."""
+    L, B = k.shape[:2]
+    li = jnp.arange(start, start + L)[:, None, None]
+    bi = jnp.arange(B)[None, :, None]
+    pos = jnp.broadcast_to(positions, k.shape[:3])
+    return cache.replace(k=cache.k.at[li, bi, :, pos].set(k.astype(cache.k.dtype), mode="drop"),
+                         v=cache.v.at[li, bi, :, pos].set(v.astype(cache.v.dtype), mode="drop"))
+
+
+def ordered_after(cache: KVCache, x: jnp.ndarray) -> KVCache:
+    """The same cache as a value XLA can only compute after x: a no-op write of one slot
+    whose value depends on x's first element (it would zero that slot only if that element
+    were NaN, i.e. row 0 already garbage). Why: a write of new K/V after reads of the cache
+    that x depends on (a layer's attention) must not be scheduled before them, or XLA copies
+    the whole cache to keep the version the read needs; an optimization_barrier did not
+    survive XLA:CPU's passes as an ordering."""
+    bad = jnp.isnan(x.reshape(-1)[0])
+
+    def touch(buf):
+        at = (0,) * buf.ndim
+        one = jax.lax.dynamic_slice(buf, at, (1,) * buf.ndim)
+        return jax.lax.dynamic_update_slice(buf, jnp.where(bad, jnp.zeros_like(one), one), at)
+
+    return cache.replace(k=touch(cache.k), v=touch(cache.v))

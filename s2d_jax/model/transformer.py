@@ -14,12 +14,14 @@ K kv heads, G query heads per kv head, H head dim, F mlp hidden, V vocab, L laye
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
 from s2d_jax.config import ModelConfig
+from s2d_jax.model import small_matmul
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.model.params import BY_PATH, LAYER_PARAMS, Param, shape_of
@@ -51,9 +53,12 @@ def _attention(q, k, v, mask, cfg: ModelConfig):
 ATTENTION_BLOCK = 256
 
 
-def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
+def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int,
+                     new_kv=None):
     """Attention of q [B,T,N,H] at positions [B,T] to the slots <= position of cache layer
-    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H].
+    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H]. `new_kv`: (k, v) [B,T,K,H] of the query
+    tokens, not yet written to the cache: each block read is patched with them as if they
+    had been (the caller writes them later, outside a `lax.cond` that must not copy it).
 
     Block by block over the slots up to the batch's largest position, with a running
     softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
@@ -74,6 +79,11 @@ def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
         # read as the layer computes (the cache may be stored narrower)
         kb = jax.lax.dynamic_slice(kc, at, size)[0].astype(q.dtype)
         vb = jax.lax.dynamic_slice(vc, at, size)[0].astype(q.dtype)
+        if new_kv is not None:  # slots outside this block go to C, which "drop" skips
+            rel = jnp.where((positions >= start) & (positions < start + C), positions - start, C)
+            bidx = jnp.arange(B)[:, None]
+            kb = kb.at[bidx, :, rel].set(new_kv[0].astype(kb.dtype), mode="drop")
+            vb = vb.at[bidx, :, rel].set(new_kv[1].astype(vb.dtype), mode="drop")
         slots = start + jnp.arange(C)
         ok = (slots[None, None, :] >= lo) & (slots[None, None, :] <= positions[:, :, None])
         ok = ok[:, None, None]  # [B, 1, 1, T, C]
@@ -94,10 +104,16 @@ def _cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int):
     return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
 
 
-def dense(eq: str, x: jnp.ndarray, w, dt) -> jnp.ndarray:
+def dense(eq: str, x: jnp.ndarray, w, dt, kernel: bool = False) -> jnp.ndarray:
     """einsum(eq, x, w) contracting x's trailing axes with w's leading ones. `w` is an
-    array or a quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run
-    an int8 matmul on the fly-quantized x."""
+    array, a small_matmul.StackedWeight (one layer of the stack) or a
+    quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run an int8
+    matmul on the fly-quantized x. `kernel` (static): the caller decided this is a
+    decode-path call the small-matmul kernel serves (`small_matmul.usable`)."""
+    if kernel and small_matmul.serves(w):
+        x_spec, w_spec = eq.split("->")[0].split(",")
+        contract = sum(c in x_spec for c in w_spec)
+        return small_matmul.matmul(x, w, "kn", contract).astype(dt)
     if getattr(w, "act_bits", 0):
         return w.matmul(x).astype(dt)
     return jnp.einsum(eq, x, w.astype(dt))
@@ -122,10 +138,14 @@ def _weight(module: nn.Module, row: Param) -> nn.Variable:
         module.make_rng("params"), shape_of(row, cfg), jnp.dtype(cfg.param_dtype)))
 
 
-def _out_projection(attn: jnp.ndarray, wo, dt) -> jnp.ndarray:
+def _out_projection(attn: jnp.ndarray, wo, dt, kernel: bool) -> jnp.ndarray:
     """attn [B,T,N,H] @ wo [N,H,D]. A plain matrix is applied as [N*H, D] to the flattened
     heads: contracting (N, H) as two axes, the CPU backend transposed the whole weight on
     every call (~6% of a SmolLM2 decode step)."""
+    if kernel and small_matmul.serves(wo):
+        return dense("BTNH,NHD->BTD", attn, wo, dt, kernel)
+    if isinstance(wo, small_matmul.StackedWeight):
+        wo = wo.value
     if isinstance(wo, jax.Array):
         B, T, N, H = attn.shape
         return jnp.einsum("BTE,ED->BTD", attn.reshape(B, T, N * H),
@@ -138,6 +158,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     std: float = 0.02
+    kernel: bool = False  # decode path: projections on the small-matmul kernel
 
     def setup(self):
         self.w = {row.name: _weight(self, row) for row in LAYER_PARAMS}
@@ -149,17 +170,18 @@ class Block(nn.Module):
         """h [B, T, D] -> (h, extra). `attend(q, k_new, v_new) -> (out [B,T,N,H], extra)`
         attends with the new keys/values (and whatever a cache holds, storing them)."""
         cfg, w, dt = self.cfg, self.weights(), h.dtype
+        mm = functools.partial(dense, dt=dt, kernel=self.kernel)
         x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-        q = dense("BTD,DNH->BTNH", x, w["wq"], dt)
-        k = dense("BTD,DKH->BTKH", x, w["wk"], dt)
-        v = dense("BTD,DKH->BTKH", x, w["wv"], dt)
+        q = mm("BTD,DNH->BTNH", x, w["wq"])
+        k = mm("BTD,DKH->BTKH", x, w["wk"])
+        v = mm("BTD,DKH->BTKH", x, w["wv"])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn, extra = attend(q, k, v)
-        h = h + _out_projection(attn, w["wo"], dt)
+        h = h + _out_projection(attn, w["wo"], dt, self.kernel)
         x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-        gate = dense("BTD,DF->BTF", x, w["w_gate"], dt)
-        up = dense("BTD,DF->BTF", x, w["w_up"], dt)
-        h = h + dense("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"], dt)
+        gate = mm("BTD,DF->BTF", x, w["w_gate"])
+        up = mm("BTD,DF->BTF", x, w["w_up"])
+        h = h + mm("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])
         return h, extra
 
 
@@ -195,12 +217,18 @@ class Transformer(nn.Module):
     def embed_tokens(self, tokens):
         return self.embed.value[tokens].astype(jnp.dtype(self.cfg.dtype))
 
-    def lm_logits(self, h):
+    def lm_logits(self, h, kernel: bool = False):
         x = rms_norm(h, self.final_norm.value, self.cfg.rms_norm_eps)
         if self.cfg.tie_word_embeddings:
-            w = self.embed.value.astype(x.dtype)
-            return jnp.einsum("...D,VD->...V", x, w).astype(jnp.float32)
-        return dense("...D,DV->...V", x, self.lm_head.value, x.dtype).astype(jnp.float32)
+            return _head_nk(x, self.embed.value, kernel)
+        return dense("...D,DV->...V", x, self.lm_head.value, x.dtype, kernel).astype(jnp.float32)
+
+
+def _head_nk(x: jnp.ndarray, rows: jnp.ndarray, kernel: bool) -> jnp.ndarray:
+    """Float32 logits x [..., D] @ rows [V, D]^T (a tied embedding, a sub-vocabulary head)."""
+    if kernel and small_matmul.serves(rows):
+        return small_matmul.matmul(x, rows, "nk", 1)
+    return jnp.einsum("...D,VD->...V", x, rows.astype(x.dtype)).astype(jnp.float32)
 
 
 def _init_boxed(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict:
@@ -259,6 +287,10 @@ def unroll_layers(cfg: ModelConfig, count: int) -> bool:
     return count <= UNROLL_LAYERS and layer_param_count(cfg) <= UNROLL_MAX_LAYER_PARAMS
 
 
+# The decoder block's matrices (the rows with input axes), as opposed to its norm weights.
+MATRIX_NAMES = frozenset(p.name for p in LAYER_PARAMS if p.n_in)
+
+
 def layer_slice(params: dict, start: int, end: int) -> dict:
     return jax.tree.map(lambda x: x[start:end], params["layers"])
 
@@ -267,7 +299,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
                start: int = 0, end: int | None = None, cache: KVCache | None = None,
                segment_ids: jnp.ndarray | None = None, remat: str = "none",
                layers: dict | None = None, fresh: bool = False,
-               attention_block: int = ATTENTION_BLOCK):
+               attention_block: int = ATTENTION_BLOCK, defer_writes: bool = False):
     """Run decoder layers `[start, end)` on hidden states h [B, T, D] at positions [B, T].
 
     `layers`: the weights of exactly those layers, sliced beforehand (default: sliced here
@@ -283,6 +315,10 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     300-token prefill into a 1024-slot cache took 2.6x as long that way).
     `attention_block` (static): slots a cached step's attention reads per block
     (`_cache_attention`; >= max_len reads the whole buffer in one).
+    `defer_writes` (static; with a cache, not fresh): the cache is only read and the new
+    keys/values are returned instead, (h, (k, v) [end - start, B, T, K, H]), for the caller
+    to write (`kvcache.write_layers`) after a `lax.cond` (a cache written inside a cond
+    branch is copied whole on entry to it) and after every read (`kvcache.ordered_after`).
     `start`/`end` are static. Returns (h, cache); cache lengths are left to the caller.
     """
     end = cfg.num_layers if end is None else end
@@ -291,11 +327,11 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     if start == end:
         return h, cache
     cos, sin = cos_sin(cfg, positions)
-    layers = layer_slice(params, start, end) if layers is None else layers
-    idx = jnp.arange(start, end, dtype=jnp.int32)
-    block = Block(cfg)
 
     if cache is None:
+        layers = layer_slice(params, start, end) if layers is None else layers
+        idx = jnp.arange(start, end, dtype=jnp.int32)
+        block = Block(cfg)
         B, T = positions.shape
         tpos = jnp.arange(T)
         mask = tpos[None, :, None] >= tpos[None, None, :]
@@ -321,10 +357,28 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
     if fresh:
         tpos = jnp.arange(T)
         mask = jnp.broadcast_to(tpos[None, :, None] >= tpos[None, None, :], (B, T, T))
+    kernel = small_matmul.usable(B * T)
+    block = Block(cfg, kernel=kernel)
+    xs, stacked = _scanned_layers(params, layers, start, end, kernel)
+
+    def with_stacked(lp, si):  # the matrices the kernel reads in place, as layer si of their stack
+        return {**lp, **{n: small_matmul.StackedWeight(w, si) for n, w in stacked.items()}}
+
+    if defer_writes:
+        def read_only(h, xs):
+            lp, li, si = xs
+            return block.apply({"params": with_stacked(lp, si)}, h, cos, sin,
+                               lambda q, k, v: (_cache_attention(
+                                   q, cache.k, cache.v, li, positions, cfg, attention_block,
+                                   (k, v)), (k, v)))
+
+        h, kv = jax.lax.scan(read_only, h, xs, unroll=unroll_layers(cfg, end - start))
+        return h, kv
 
     def body(carry, xs):
         h, k_cache, v_cache = carry
-        lp, li = xs
+        lp, li, si = xs
+        lp = with_stacked(lp, si)
 
         def attend(q, k, v):
             # Scatter the new keys into their slots (positions past the cache are dropped).
@@ -338,24 +392,40 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
         h, (kc, vc) = block.apply({"params": lp}, h, cos, sin, attend)
         return (h, kc, vc), None
 
-    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), (layers, idx),
+    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), xs,
                                 unroll=unroll_layers(cfg, end - start))
     return h, cache.replace(k=k, v=v)
+
+
+def _scanned_layers(params: dict, layers: dict | None, start: int, end: int, kernel: bool):
+    """What a cached layer scan iterates over: (per-layer params, cache layer index, index
+    into the stacks), and the weight stacks the small-matmul kernel reads in place (so the
+    scan does not slice a copy of each layer's matrices every step)."""
+    idx = jnp.arange(start, end, dtype=jnp.int32)
+    stack, first = (params["layers"], start) if layers is None else (layers, 0)
+    stacked = {n: w for n, w in stack.items()
+               if kernel and n in MATRIX_NAMES and small_matmul.serves(w)}
+    rest = {n: w for n, w in stack.items() if n not in stacked}
+    if layers is None:
+        rest = jax.tree.map(lambda x: x[start:end], rest)
+    return (rest, idx, idx - start + first), stacked
 
 
 def embed_tokens(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
     return Transformer(cfg).apply({"params": params}, tokens, method=Transformer.embed_tokens)
 
 
-def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray, decode: bool = False) -> jnp.ndarray:
     """Final norm + LM head (tied or untied) -> float32 logits [..., V].
 
     A draft with a sub-vocabulary head (params["head_ids"], see `sub_vocab_logits`) scores
-    only those tokens; every other token gets logit SUB_VOCAB_FLOOR (probability 0)."""
+    only those tokens; every other token gets logit SUB_VOCAB_FLOOR (probability 0).
+    `decode` (static): a decode step's few rows, which the small-matmul kernel may serve."""
     if "head_ids" in params:
         full = jnp.full(h.shape[:-1] + (cfg.vocab_size,), SUB_VOCAB_FLOOR, jnp.float32)
-        return full.at[..., params["head_ids"]].set(sub_vocab_logits(params, cfg, h))
-    return Transformer(cfg).apply({"params": params}, h, method=Transformer.lm_logits)
+        return full.at[..., params["head_ids"]].set(sub_vocab_logits(params, cfg, h, decode))
+    kernel = decode and small_matmul.usable(math.prod(h.shape[:-1]))
+    return Transformer(cfg).apply({"params": params}, h, kernel, method=Transformer.lm_logits)
 
 
 # Finite, so temperature scaling and softmax stay NaN-free; exp(floor - max) is exactly 0.
@@ -372,7 +442,8 @@ def head_rows(params: dict) -> jnp.ndarray:
     return params["lm_head"][:, ids].T if "lm_head" in params else params["embed"][ids]
 
 
-def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndarray:
+def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray,
+                     decode: bool = False) -> jnp.ndarray:
     """Float32 logits [..., V'] over the sub-vocabulary params["head_ids"] [V'].
 
     A draft's head over the target's most frequent output tokens costs V'/V of the full
@@ -380,7 +451,7 @@ def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray) -> jnp.ndar
     sampling stays exact: the draft's q is 0 outside the sub-vocabulary, so those tokens
     are simply never proposed (the target still emits them on rejection)."""
     x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return jnp.einsum("...D,VD->...V", x, head_rows(params).astype(x.dtype)).astype(jnp.float32)
+    return _head_nk(x, head_rows(params), decode and small_matmul.usable(math.prod(h.shape[:-1])))
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
@@ -399,4 +470,4 @@ def forward(params: dict, cfg: ModelConfig, tokens: jnp.ndarray, positions=None,
     h = embed_tokens(params, cfg, tokens)
     h, cache = run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, segment_ids, remat,
                           fresh=fresh)
-    return lm_logits(params, cfg, h), cache
+    return lm_logits(params, cfg, h, decode=cache is not None), cache

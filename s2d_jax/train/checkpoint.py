@@ -3,15 +3,83 @@
 Each step directory has two items: `state` (step, params, optimizer state; restored
 straight onto the mesh from abstract arrays carrying shardings) and `data` (the batch
 iterator's JSON state), so a resumed run continues with the next unseen batch.
+
+With several processes every host reads its own share of the data, so each one writes
+and reads its own iterator state, `data/process_<i>-of-<n>.json` (grain's file names);
+orbax's JSON handler writes on the primary host only and would hand every host host 0's
+place in the data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 
+import jax
 import orbax.checkpoint as ocp
 
 from s2d_jax.errors import S2DError
+
+_HOST_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+# The single file of orbax's JSON handler, which held the data state before it was kept
+# per process; read as a 1-process state, since it holds host 0's only.
+_LEGACY_FILE = "metadata"
+
+
+def host_file(index: int, count: int) -> str:
+    return f"process_{index}-of-{count}.json"
+
+
+@dataclasses.dataclass
+class SavedDataState:
+    process_count: int  # processes of the run that saved it
+    state: dict  # this process's state, or process 0's when the counts differ
+
+
+class HostDataHandler(ocp.CheckpointHandler):
+    """Every process saves and restores its own iterator state."""
+
+    def save(self, directory, args):
+        name = host_file(jax.process_index(), jax.process_count())
+        (directory / name).write_text(json.dumps(args.state))
+
+    def restore(self, directory, args=None) -> SavedDataState:
+        own = directory / host_file(jax.process_index(), jax.process_count())
+        if own.exists():
+            return SavedDataState(jax.process_count(), json.loads(own.read_text()))
+        counts = {int(m.group(2)) for p in directory.iterdir()
+                  if (m := _HOST_FILE.fullmatch(p.name))}
+        if counts:
+            count = min(counts)
+            return SavedDataState(count, json.loads((directory / host_file(0, count)).read_text()))
+        legacy = directory / _LEGACY_FILE
+        if legacy.exists():
+            return SavedDataState(1, json.loads(legacy.read_text()))
+        raise S2DError(f"checkpoint item {directory} holds no data state; resume from another "
+                       f"checkpoint.dir or remove this step's directory")
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(HostDataHandler, for_save=True)
+@dataclasses.dataclass
+class HostDataSave(ocp.args.CheckpointArgs):
+    state: dict
+
+
+@ocp.args.register_with_handler(HostDataHandler, for_restore=True)
+@dataclasses.dataclass
+class HostDataRestore(ocp.args.CheckpointArgs):
+    pass
 
 
 def make_manager(directory: str, keep_last: int, async_save: bool = False):
@@ -25,14 +93,26 @@ def make_manager(directory: str, keep_last: int, async_save: bool = False):
 
 def save(manager, step: int, state, data_state: dict) -> None:
     manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               data=ocp.args.JsonSave(data_state)))
+                                               data=HostDataSave(data_state)))
 
 
-def restore_latest(manager, abstract_state):
-    """(state, data_state, step) of the latest checkpoint, or None when there is none."""
+def restore_latest(manager, abstract_state, data_per_process: bool = True):
+    """(state, data_state, step) of the latest checkpoint, or None when there is none.
+
+    `data_per_process`: the data state depends on which share of the data a process reads,
+    so a checkpoint of another process count cannot continue it (refused, before the
+    train state is read). Synthetic batches are global: any process count resumes them.
+    """
     step = manager.latest_step()
     if step is None:
         return None
+    data = manager.restore(step, args=ocp.args.Composite(data=HostDataRestore()))["data"]
+    if data_per_process and data.process_count != jax.process_count():
+        raise S2DError(
+            f"checkpoint step {step} in {manager.directory} was written by "
+            f"{data.process_count} process(es), this run has {jax.process_count()}: each "
+            f"process reads its own share of data.paths, so the data order cannot continue; "
+            f"resume with {data.process_count} process(es), or start a new checkpoint.dir")
     out = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    return out["state"], out["data"], step
+        state=ocp.args.StandardRestore(abstract_state)))
+    return out["state"], data.state, step

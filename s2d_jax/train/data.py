@@ -22,6 +22,8 @@ class SyntheticIterator:
     takes its own rows of the global batch.
     """
 
+    state_per_process = False  # the global batch index: any process count resumes it
+
     def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int,
                  process_index: int = 0, process_count: int = 1):
         if batch_size % process_count:

@@ -26,6 +26,7 @@ from s2d_jax.parallel.mesh import check_divisible
 from s2d_jax.model.sorted_draft import draft_hf_extra, read_head_vocab, validate_exits
 from s2d_jax.train.config import OptimizerConfig, TrainConfig
 from s2d_jax.train.data import batch_fingerprint, make_train_iterator
+from s2d_jax.train.finite import FiniteWatch
 from s2d_jax.parallel.mesh import make_mesh
 from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding,
                                 global_batch, make_init_fn, make_optimizer, make_train_step,
@@ -193,7 +194,9 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
                                 tc.checkpoint.async_save) if tc.checkpoint.dir else None
-    restored = ckpt.restore_latest(manager, abstract_state(cfg, tx, shardings)) if manager else None
+    restored = (ckpt.restore_latest(manager, abstract_state(cfg, tx, shardings),
+                                    getattr(iterator, "state_per_process", True))
+                if manager else None)
     if restored is not None:
         state, data_state, start = restored
         iterator.set_state(data_state)
@@ -202,6 +205,7 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
         state, start = init_fn(params), 0
 
     log = MetricsLog(tc.metrics_path)
+    watch = FiniteWatch()  # checked before anything is logged, saved or exported
     history = []
     bar = None
     if progress and jax.process_index() == 0:
@@ -215,8 +219,10 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
             except StopIteration:
                 break
             state, metrics = step_fn(state, global_batch(host_batch, mesh))
+            watch.observe(step, metrics)
             tokens_since += int(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
             if step % tc.log_every == 0 or step == total_steps:
+                watch.check(manager)
                 metrics = jax.device_get(metrics)  # waits for the step: the timing is real
                 now = time.perf_counter()
                 rec = _record(step, metrics, now - t_last, tokens_since,
@@ -230,6 +236,7 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
             if bar:
                 bar.update(1)
             if manager and (step % tc.checkpoint.save_every == 0 or step == total_steps):
+                watch.check(manager)
                 ckpt.save(manager, step, state, iterator.get_state())
             if tc.stop_after_step and step == tc.stop_after_step:
                 if manager:

@@ -1,0 +1,166 @@
+"""A multi-turn conversation in the terminal, each answer streamed as it is decoded.
+
+    python -m infer.chat --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --draft models/smollm2-draft
+    python -m infer.chat --target ... --method ar --script turns.txt --out answers.jsonl
+
+Type a message and press Enter; commands: /reset (forget the conversation), /stats (this
+conversation's totals), /help, /quit (or Ctrl-D). --script FILE reads the turns (and
+commands) from a file instead, one per line. Each turn re-encodes the whole conversation in
+the tokenizer's chat template (the engine keeps no K/V between generations; see
+s2d_jax/decode/chat.py); a statistics line follows each answer on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from infer.args import (ArgumentParser, check_at_least, check_output_path, check_sampling,
+                        finite_number, parse_floats, parse_ints, path_arg)
+from s2d_jax.errors import S2DError, cli_main
+
+from s2d_jax.decode.defaults import METHODS
+COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
+            "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
+
+
+def parse_args(argv):
+    ap = ArgumentParser(prog="python -m infer.chat", description=__doc__)
+    ap.add_argument("--target", required=True, type=path_arg,
+                    help="target model: HF dir, params checkpoint or .gguf")
+    ap.add_argument("--draft", default=None, type=path_arg,
+                    help="draft model (needed by sd and s2d)")
+    ap.add_argument("--method", default="s2d", choices=METHODS,
+                    help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
+                    "self: the target's first --exit layers draft; ar: no speculation")
+    ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
+    ap.add_argument("--exits", default=None, help="s2d exits, e.g. 2,4 (default: the target's "
+                    "calibrated s2d_serving.json, else the draft's s2d_exits)")
+    ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit in "
+                    "[0,1] (default: calibrated, else 0.5 each, 0 at the last)")
+    ap.add_argument("--gamma", type=int, default=None,
+                    help="draft tokens per round (default: calibrated, else 4)")
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
+                    help="auto: the tokenizer's own template, else the text as is")
+    ap.add_argument("--system", default=None, help="a system message opening the "
+                    "conversation (default: the template's own, if any)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer at most")
+    ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=finite_number, default=1.0,
+                    help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="compute and weight dtype (default: as stored)")
+    ap.add_argument("--script", default=None, metavar="FILE", type=path_arg,
+                    help="read the turns and commands from FILE, one per line, instead of "
+                    "the terminal")
+    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
+                    help="also write one JSON line per answered turn (default: print only)")
+    return ap.parse_args(argv)
+
+
+def check_args(args) -> list[str] | None:
+    """Every check that needs no model; returns the script's lines (None: interactive)."""
+    if args.method in ("sd", "s2d") and args.draft is None:
+        raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
+                       f"or use --method ar")
+    if args.method == "self" and args.exit is None:
+        raise S2DError("method self needs --exit (how many target layers draft)")
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_at_least(args, {"max_new_tokens": 1, "gamma": 1, "exit": 1})
+    if args.out:
+        check_output_path(args.out)
+    if args.script is None:
+        return None
+    from s2d_jax.readers import read_text
+    lines = [x.strip() for x in read_text(args.script, "--script file").splitlines()]
+    lines = [x for x in lines if x]
+    if not lines:
+        raise S2DError(f"--script file {args.script} holds no turns; write one per line")
+    return lines
+
+
+def open_chat(args):
+    from s2d_jax.decode.chat import Chat
+
+    return Chat(args.target, args.draft, method=args.method, chat_template=args.chat_template,
+                system=args.system, gamma=args.gamma, exit=args.exit,
+                thresholds=(parse_floats(args.thresholds, "--thresholds", nonempty=True)
+                            if args.thresholds else None),
+                exits=parse_ints(args.exits, "--exits", minimum=1) if args.exits else None,
+                dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed)
+
+
+def turns_from(script: list[str] | None):
+    """The user's lines: the script's (echoed), or the terminal's until Ctrl-D."""
+    if script is not None:
+        for line in script:
+            print(f"you> {line}", flush=True)
+            yield line
+        return
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return
+        if line:
+            yield line
+
+
+def run_session(chat, lines, scripted: bool) -> list[dict]:
+    """Answer every turn, run every command; -> one row per answered turn."""
+    rows, conversation = [], 1
+    for line in lines:
+        if line.startswith("/"):
+            if line == "/quit":
+                break
+            if line == "/reset":
+                chat.reset()
+                conversation += 1
+                print("(conversation cleared)", flush=True)
+            elif line == "/stats":
+                print(chat.summary(), flush=True)
+            else:
+                print(("" if line == "/help" else f"unknown command {line}; the commands:\n")
+                      + "\n".join(f"{c}  {what}" for c, what in COMMANDS.items())
+                      + "\n(anything else is your next message)", flush=True)
+            continue
+        print("assistant> ", end="", flush=True)
+        try:
+            out = chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
+        except S2DError as e:
+            if scripted:
+                raise
+            print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
+            continue
+        print(flush=True)
+        print(f"[{out['summary']}]", file=sys.stderr, flush=True)
+        rows.append({"conversation": conversation, "turn": len(chat.turns), "user": line,
+                     "text": out["text"], "token_ids": out["token_ids"],
+                     "stats": out["stats"]})
+    return rows
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    script = check_args(args)
+    print(f"loading {args.target} ...", file=sys.stderr, flush=True)
+    chat = open_chat(args)
+    for note in chat.notes:
+        print(note, file=sys.stderr)
+    if script is None:
+        print("type a message; /help lists the commands", file=sys.stderr)
+    rows = run_session(chat, turns_from(script), scripted=script is not None)
+    if args.out:
+        from s2d_jax.io.atomic import write_atomic
+        write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    main()

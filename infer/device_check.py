@@ -1,0 +1,235 @@
+"""One command that turns a few minutes on an accelerator into the numbers that matter.
+
+    python -m infer.device_check --out runs/device_check      (GPU / TPU; see docs/distributed.md)
+    python -m infer.device_check --allow-cpu --out runs/dc    (CPU: tiny sizes, a smoke test)
+
+On the first device JAX sees (it refuses a CPU unless --allow-cpu):
+  (a) SmolLM2-135M-Instruct (python -m infer.fetch_smollm2) with the committed sorted draft:
+      AR / SD at each exit / S2D 0.5-0 / S2D calibrated on 24 Spec-Bench questions (4 per
+      task), greedy and T = 1, through infer.bench (tok/s, speedup, MAT, exactness, in-loop
+      round costs): OUT/smollm2/report.{json,md}.
+  (b) Vicuna-7B- and 13B-shaped targets with random bfloat16 weights and a 12-layer draft of
+      the 7B's shape (exits 6/9/12): the target's verify call for windows 1..8 (1 = an AR
+      step) and each exit's whole draft step, timed in jitted loops (bench/call_costs.py),
+      and Lemma 3.1's predicted speedup at gamma 4 with (i) the SmolLM2 S2D run's measured
+      MAT and (ii) --paper-mat, the MAT the paper reports (not built in: pass it).
+Progress goes to stdout; OUT/results.json and OUT/report.md are rewritten after every
+measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU runs the
+demo family (1 question, 16 tokens, greedy, AR/SD/S2D) and tiny shapes (windows 1..3,
+gamma 2) instead.
+TODO (issue 33 c): --train-minutes N, the draft pipeline on the accelerator for N minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from infer.args import ArgumentParser, parse_targets, path_arg
+from s2d_jax.errors import S2DError, cli_main
+
+SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
+SHAPES = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
+          "vicuna-13b": "configs/models/vicuna-13b-v1.5.yaml"}
+DRAFT_SHAPE, DRAFT_EXITS = "configs/models/vicuna-7b-v1.5.yaml", (6, 9, 12)
+# gamma of the Lemma 3.1 prediction and the verify windows timed (1 = an AR step); the CPU
+# smoke run times fewer (each window is a compile)
+GAMMA, WINDOWS = {False: 4, True: 2}, {False: 8, True: 3}
+
+
+def _parse(argv):
+    p = ArgumentParser(prog="python -m infer.device_check", description=__doc__)
+    p.add_argument("--out", required=True, type=path_arg, help="output directory")
+    p.add_argument("--allow-cpu", action="store_true",
+                   help="run on a CPU (tiny sizes: a smoke test, not a measurement)")
+    p.add_argument("--paper-mat", default=None, metavar="vicuna-7b=L,vicuna-13b=L",
+                   help="the paper's reported mean accepted tokens per target shape, for "
+                        "prediction (ii)")
+    p.add_argument("--samples", type=int, default=3, help="timed trials per probe")
+    return p.parse_args(argv)
+
+
+class Results:
+    """results.json + report.md under OUT, rewritten after every measurement."""
+
+    def __init__(self, out: str, device: str):
+        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {}}
+        os.makedirs(out, exist_ok=True)
+
+    def save(self) -> None:
+        from s2d_jax.io.atomic import write_atomic
+        write_atomic(os.path.join(self.out, "results.json"), json.dumps(self.data, indent=1))
+        write_atomic(os.path.join(self.out, "report.md"), report_md(self.data))
+
+
+def _ms(x):
+    return "-" if x is None else f"{1e3 * x:.3f}"
+
+
+def report_md(d: dict) -> str:
+    lines = [f"# Device check\n\nDevice: **{d['device']}**\n"]
+    s = d.get("smollm2")
+    if s:
+        lines += [f"## (a) {s['target']} on {s['prompts']} questions\n",
+                  "| T | method | tok/s | speedup | MAT | exact vs AR |", "|---|---|---|---|---|---|"]
+        for t, methods in s["results"].items():
+            for label, m in methods.items():
+                f = lambda k, fmt: "-" if m.get(k) is None else fmt.format(m[k])  # noqa: E731
+                lines.append(f"| {t} | {label} | {f('tokens_per_second', '{:.1f}')} | "
+                             f"{f('speedup_vs_ar', '{:.2f}x')} | "
+                             f"{f('mean_accepted_tokens', '{:.2f}')} | "
+                             f"{f('exact_match_vs_ar', '{:.2f}')} |")
+        lines.append(f"\nFull report (round costs, per task): {s['report']}\n")
+    for name, r in d["shapes"].items():
+        lines += [f"## (b) {name}-shaped target, random bf16 weights, 12-layer draft\n",
+                  "| call | ms |", "|---|---|"]
+        lines += [f"| target verify, window {w} | {_ms(c)} |" for w, c in r["verify_s"].items()]
+        lines += [f"| draft step, exit {e} | {_ms(c)} |" for e, c in r["draft_step_s"].items()]
+        for p in r.get("predictions", []):
+            lines.append(f"\nLemma 3.1, gamma {p['gamma']}, exit {p['exit']}, MAT {p['mat']:.2f} "
+                         f"({p['source']}): predicted speedup **{p['speedup']:.2f}x**")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def check_smollm2(args, res: Results, tiny: bool) -> None:
+    """(a): infer.bench on SmolLM2 (or the demo family with --allow-cpu on a CPU)."""
+    from infer.bench import main as bench_main
+    out = os.path.join(args.out, "smollm2")
+    if tiny:
+        target, draft = "models/demo/target-s", "models/demo/draft"
+        extra = ["--questions", "data/demo_questions.jsonl", "--max-prompts", "1",
+                 "--max-new-tokens", "16", "--chat-template", "none", "--methods", "ar,sd,s2d",
+                 "--temperatures", "0"]
+    else:
+        if not os.path.isdir(SMOLLM2):
+            raise S2DError(f"{SMOLLM2} is missing; run python -m infer.fetch_smollm2 first")
+        target, draft = SMOLLM2, "models/smollm2-draft"
+        extra = ["--questions", "data/spec_bench_question.jsonl", "--max-prompts", "24",
+                 "--max-new-tokens", "128", "--cost-every", "8", "--methods",
+                 "ar,sd,s2d,s2d-cal", "--temperatures", "0,1"]
+    bench_main(["--targets", f"t={target}", "--draft", draft, "--out", out, *extra])
+    with open(os.path.join(out, "report.json")) as f:
+        rep = json.load(f)
+    results = {t: {label: {k: m.get(k) for k in ("method", "tokens_per_second", "speedup_vs_ar",
+                                                 "mean_accepted_tokens", "exact_match_vs_ar")}
+                   for label, m in methods.items()}
+               for t, methods in rep["targets"]["t"]["results"].items()}
+    res.data["smollm2"] = {"target": target, "prompts": rep["settings"]["prompts"],
+                           "results": results, "report": os.path.join(out, "report.md")}
+    res.save()
+
+
+def _shape_cfgs(tiny: bool):
+    from s2d_jax.config import ModelConfig, load_model_config
+    bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+    if tiny:
+        cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                          num_heads=4, num_kv_heads=2, max_position_embeddings=512, **bf16)
+        return {"tiny": cfg}, dataclasses.replace(cfg, num_layers=3), (1, 2, 3)
+    cfgs = {n: dataclasses.replace(load_model_config(p), **bf16) for n, p in SHAPES.items()}
+    draft = dataclasses.replace(load_model_config(DRAFT_SHAPE), num_layers=DRAFT_EXITS[-1], **bf16)
+    return cfgs, draft, DRAFT_EXITS
+
+
+def _lemma_speedup(verify_s: dict, step_s: float, mat: float, gamma: int) -> float:
+    """Lemma 3.1, n = 2: AR costs V(1) per token; a round of gamma draft steps and one
+    verify of gamma + 1 tokens yields `mat` tokens."""
+    from s2d_jax.bench import theory
+    per_token = theory.chain_time_per_token([verify_s[gamma + 1], step_s], [mat], gamma)
+    return verify_s[1] / per_token
+
+
+def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
+    """(b): per-call costs of 7B/13B-shaped targets and the 12-layer draft, random weights."""
+    import jax
+
+    from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
+    from s2d_jax.model import transformer as model
+
+    cfgs, draft_cfg, exits = _shape_cfgs(tiny)
+    max_len, start = (256, 64) if tiny else (2048, 512)
+    draft = model.init_params(draft_cfg, jax.random.key(1))
+    steps = draft_step_probes(draft, draft_cfg, exits, start=start, max_len=max_len)
+    for p in steps:
+        for _ in range(args.samples):
+            p.sample()
+    step_s = {e: p.result() for e, p in zip(exits, steps)}
+    print(f"draft steps (ms): {[round(1e3 * c, 3) for c in step_s.values()]}", flush=True)
+    for name, cfg in cfgs.items():
+        params = model.init_params(cfg, jax.random.key(0))
+        entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s}
+        for w in range(1, WINDOWS[tiny] + 1):
+            probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len)
+            for _ in range(args.samples):
+                probe.sample()
+            entry["verify_s"][w] = probe.result()
+            print(f"{name}: verify window {w}: {1e3 * entry['verify_s'][w]:.3f} ms", flush=True)
+            res.save()
+        entry["predictions"] = _predictions(res, entry, name, exits, paper_mat, GAMMA[tiny])
+        res.save()
+        del params
+
+
+def _predictions(res: Results, entry: dict, name: str, exits, paper_mat: dict,
+                 gamma: int) -> list:
+    mats = []
+    s = res.data.get("smollm2")
+    greedy = s["results"].get("0.0", {}) if s else {}
+    # the paper-setting S2D run's measured MAT (greedy): the draft's acceptance on a real target
+    m = [r["mean_accepted_tokens"] for label, r in greedy.items()
+         if r["method"] == "s2d" and label != "s2d-cal" and r["mean_accepted_tokens"]]
+    if m:
+        mats.append((m[0], f"measured on {s['target']}, S2D 0.5-0 greedy"))
+    if name in paper_mat:
+        mats.append((paper_mat[name], "the paper's reported MAT (--paper-mat)"))
+    return [{"exit": e, "mat": mat, "source": src, "gamma": gamma,
+             "speedup": _lemma_speedup(entry["verify_s"], entry["draft_step_s"][e], mat, gamma)}
+            for mat, src in mats for e in exits]
+
+
+def _paper_mat(text: str) -> dict[str, float]:
+    """"vicuna-7b=3.1,vicuna-13b=3.2" -> {shape: MAT >= 1}; unknown shapes and bad
+    numbers (NaN and inf included) are errors."""
+    out = {}
+    for name, value in parse_targets(text.split(","), "--paper-mat").items():
+        try:
+            mat = float(value)
+        except ValueError:
+            mat = float("nan")
+        if name not in SHAPES or not 1.0 <= mat < float("inf"):
+            raise S2DError(f"--paper-mat {name}={value}: need one of {', '.join(SHAPES)} "
+                           f"= a mean accepted token count >= 1")
+        out[name] = mat
+    return out
+
+
+@cli_main
+def main(argv=None):
+    args = _parse(argv)
+    paper_mat = _paper_mat(args.paper_mat) if args.paper_mat else {}
+    if args.samples < 1:
+        raise S2DError(f"--samples must be >= 1, got {args.samples}")
+    import jax
+    dev = jax.devices()[0]
+    tiny = dev.platform == "cpu"
+    if tiny and not args.allow_cpu:
+        raise S2DError("no accelerator: jax.devices() shows only a CPU; install "
+                       "'.[cuda]' or '.[tpu]' on a GPU/TPU machine, or pass --allow-cpu for "
+                       "the tiny smoke test")
+    device = f"{dev.device_kind} ({dev.platform}, {len(jax.devices())} device(s))"
+    print(f"device: {device}", flush=True)
+    res = Results(args.out, device)
+    res.save()
+    t0 = time.perf_counter()
+    check_smollm2(args, res, tiny)
+    print(f"(a) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    check_shapes(args, res, tiny, paper_mat)
+    print(f"(b) done after {time.perf_counter() - t0:.0f} s; {args.out}/report.md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Decode-path matmul micro-benchmark: each projection, the head and the whole cached
+forward for M = 1..8 rows, with the small-matmul CPU kernel and with XLA's dots, in one
+process and interleaved (s2d_jax/bench/matmul_costs.py).
+
+    python -m infer.matmul_bench --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct [--rows 1,2,3,4,8]
+"""
+
+from __future__ import annotations
+
+from infer.args import ArgumentParser, parse_ints, path_arg
+from s2d_jax.errors import S2DError, cli_main
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(prog="python -m infer.matmul_bench", description=__doc__)
+    p.add_argument("--target", required=True, type=path_arg,
+                   help="HF model dir, params checkpoint or .gguf")
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts M to time (first = the base)")
+    p.add_argument("--repeats", type=int, default=15, help="rounds of calls; the median is kept")
+    p.add_argument("--position", type=int, default=400,
+                   help="cache position of the step's first token (attention reads up to it)")
+    p.add_argument("--max-len", type=int, default=1280, help="K/V cache slots")
+    args = p.parse_args(argv)
+    args.rows = parse_ints(args.rows, "--rows", minimum=1)
+    if args.repeats < 1:
+        raise S2DError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 0 <= args.position <= args.max_len - max(args.rows):
+        raise S2DError(f"--position {args.position} leaves no room for {max(args.rows)} tokens "
+                       f"in --max-len {args.max_len}; lower --position or raise --max-len")
+    return args
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    from s2d_jax.bench import matmul_costs
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.model import small_matmul
+
+    cfg, params, _ = load_model(args.target)
+    print(f"matmul path: {small_matmul.status()}")
+    compiled = matmul_costs.probes(params, cfg, args.rows, args.max_len, args.position)
+    med = matmul_costs.measure(compiled, args.repeats)
+    print("\n".join(matmul_costs.table(med, args.rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Decode-path matmul costs for M = 1..8 rows, the small-matmul kernel beside XLA's dots.
+
+Speculative decoding pays when verifying k tokens costs about one step; on CPU that rests
+on the matmuls (model/small_matmul.py). Measured here in one process, the probes timed in
+turn (round-robin, median of `repeats`), so both paths see the same machine state:
+- each projection of a decoder block (wq .. w_down) across all layers, as a step reads
+  them (one layer's weights after another from the stacks), and the LM head;
+- the whole cached forward of k tokens (model.forward with a K/V cache, the target's
+  verify call; k = 1 is the decode step).
+Ratios are to the same path's M = 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from s2d_jax.config import ModelConfig
+from s2d_jax.model import small_matmul
+from s2d_jax.model import transformer as model
+from s2d_jax.model.kvcache import init_cache
+
+# name -> einsum of the block (x's letters, then the weight's) as transformer.Block runs it
+PROJECTIONS = {"wq": "BTD,DNH->BTNH", "wk": "BTD,DKH->BTKH", "wv": "BTD,DKH->BTKH",
+               "wo": "BTNH,NHD->BTD", "w_gate": "BTD,DF->BTF", "w_up": "BTD,DF->BTF",
+               "w_down": "BTF,FD->BTD"}
+PATHS = ("kernel", "xla")
+
+
+def _projection_fn(eq: str, kernel: bool):
+    """(stack, x) -> the projection applied with every layer's weight in turn; each layer's
+    input depends on the last output (one element), so no layer's work can be skipped."""
+    def run(stack, x):
+        def body(l, carry):
+            x, acc = carry
+            y = model.dense(eq, x, small_matmul.StackedWeight(stack, l), x.dtype, kernel)
+            return x.at[(0,) * x.ndim].add(1e-6 * y.reshape(-1)[0]), acc + y.reshape(-1)[0]
+        return jax.lax.fori_loop(0, stack.shape[0], body, (x, jnp.float32(0)))[1]
+    return run
+
+
+def _head_fn(cfg: ModelConfig):
+    return lambda params, h: model.lm_logits(params, cfg, h, decode=True)
+
+
+def _compile(fn, kernel: bool, *args):
+    """fn jitted and compiled with the kernel (where usable) or with XLA's dots."""
+    with contextlib.nullcontext() if kernel else small_matmul.disabled():
+        return jax.jit(fn).lower(*args).compile()
+
+
+def probes(params: dict, cfg: ModelConfig, rows: list[int], max_len: int, position: int):
+    """{(item, path, M): (compiled, args)} for every projection, the head and the step."""
+    out = {}
+    dt = jnp.dtype(cfg.dtype)
+    for m in rows:
+        for path in PATHS:
+            # the kernel where it can be built (else both rows time XLA's dots)
+            kernel = path == "kernel" and small_matmul.usable(m)
+            for name, eq in PROJECTIONS.items():
+                stack = params["layers"][name]
+                lead = 2 if name == "wo" else 1
+                x = jnp.ones((1, m) + stack.shape[1:1 + lead], dt)
+                out[(name, path, m)] = (_compile(_projection_fn(eq, kernel), kernel, stack, x),
+                                        (stack, x))
+            h = jnp.ones((1, m, cfg.hidden_size), dt)
+            out[("head", path, m)] = (_compile(_head_fn(cfg), kernel, params, h), (params, h))
+            cache = init_cache(cfg, 1, max_len)
+            toks = jnp.ones((1, m), jnp.int32)
+            pos = position + jnp.arange(m, dtype=jnp.int32)[None]
+            step = lambda p, c, t, q: model.forward(p, cfg, t, q, c)[0]  # noqa: E731
+            out[("step", path, m)] = (_compile(step, kernel, params, cache, toks, pos),
+                                      (params, cache, toks, pos))
+    return out
+
+
+def measure(compiled: dict, repeats: int) -> dict:
+    """Median seconds per probe, probes called in turn `repeats` times (after one warm-up)."""
+    times = {key: [] for key in compiled}
+    for key, (fn, args) in compiled.items():
+        jax.block_until_ready(fn(*args))
+    for _ in range(repeats):
+        for key, (fn, args) in compiled.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[key].append(time.perf_counter() - t)
+    return {key: statistics.median(v) for key, v in times.items()}
+
+
+def table(med: dict, rows: list[int]) -> list[str]:
+    """One line per item and path: ms at each M and the ratio to M = 1."""
+    items = list(PROJECTIONS) + ["head", "step"]
+    lines = [f"{'item':8} {'path':6} " + " ".join(f"{'M=' + str(m):>14}" for m in rows)]
+    for item in items:
+        for path in PATHS:
+            base = med[(item, path, rows[0])]
+            cells = [f"{med[(item, path, m)] * 1e3:7.3f} ({med[(item, path, m)] / base:4.2f})"
+                     for m in rows]
+            lines.append(f"{item:8} {path:6} " + " ".join(cells))
+    lines.append("ms per call (ratio to M = %d); projections: summed over all layers" % rows[0])
+    return lines

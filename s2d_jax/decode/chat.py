@@ -1,0 +1,200 @@
+"""Conversations for the API (`s2d_jax.generate`, `s2d_jax.Chat`) and `python -m infer.chat`.
+
+A `Chat` loads its target (and draft) once and keeps the messages of a conversation. Each
+turn re-encodes the whole conversation in the chat template and decodes it from a fresh
+prefill: the engine's K/V caches live inside one jitted generation (engine.py) and are not
+kept between calls, so the K/V of earlier turns is recomputed, not reused. The prompt of a
+turn is exactly what `prompt_ids` builds for Spec-Bench's MT-bench turns (earlier answers
+as `reply_text`), so greedy answers of any method equal AR's in every turn.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from s2d_jax.errors import S2DError
+
+
+def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
+                 gamma: int | None = None, thresholds=None, exit: int | None = None,
+                 exits=None, dtype: str | None = None):
+    """(Decoder, tokenizer, notes) for one target: `method` "s2d" escalates over `exits`
+    (default: the target's calibrated `s2d_serving.json` when it has one, else the draft's
+    `s2d_exits`), "sd" drafts with the draft cut at `exit` (default its depth), "self" with
+    the target's first `exit` layers, "ar" not at all. gamma and thresholds default to the
+    calibrated setting when it matches the exits, else gamma 4 and 0.5 per exit (0 at the
+    last). notes: lines for the user (a calibrated setting measured slower than AR)."""
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
+    from s2d_jax.decode.defaults import METHODS, draft_exits
+    from s2d_jax.io.checkpoint import has_tokenizer, load_model
+    from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.readers import expand_path
+
+    if method not in METHODS:
+        raise S2DError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    if method in ("sd", "s2d") and draft is None:
+        raise S2DError(f"method {method} needs a draft model; pass draft=PATH (--draft)")
+    if method == "self" and not exit:
+        raise S2DError("method self needs exit=N (--exit): how many target layers draft")
+    target = expand_path(target)
+    cfg, params, _ = load_model(target, dtype=dtype)
+    tok = load_tokenizer(target)
+    draft_cfg = draft_params = draft_tok = None
+    stop, notes = 0.0, []
+    if method in ("sd", "s2d"):
+        from s2d_jax.io.draft_pack import load_draft
+        draft = expand_path(draft)
+        draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
+        draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
+        served = (load_serving_config(target, min(cfg.max_position_embeddings,
+                                                  draft_cfg.max_position_embeddings))
+                  if method == "s2d" else None)
+        if method == "sd":
+            exits = [exit or draft_cfg.num_layers]
+        elif exits is None:  # the calibrated exit subset, else all the draft's exits
+            exits = (list(served["exits"]) if served and served.get("exits")
+                     else list(draft_exits(extra, draft_cfg)))
+        if (served is not None and thresholds is None
+                and list(served.get("exits") or exits) == list(exits)):
+            thresholds, stop = served["thresholds"], served["stop_threshold"]
+            gamma = served["gamma"] if gamma is None else gamma
+            notes.append(slower_than_ar_note(served, target))
+    elif method == "self":
+        exits = [exit]
+    if exits is not None and thresholds is None:
+        thresholds = [0.5] * (len(exits) - 1) + [0.0]
+    decoder = Decoder(cfg, params, method=method, draft_cfg=draft_cfg,
+                      draft_params=draft_params, exits=exits,
+                      gamma=4 if gamma is None else gamma, thresholds=thresholds,
+                      target_tokenizer=tok, draft_tokenizer=draft_tok, stop_threshold=stop)
+    return decoder, tok, [n for n in notes if n]
+
+
+def as_messages(prompt) -> list[dict]:
+    """A prompt string as one user message; a list of messages as it is."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+class Chat:
+    """A conversation with one target (see the module docstring: each turn re-encodes the
+    whole conversation). `say(text)` answers a user turn and keeps both in `messages`;
+    `answer(messages)` answers a given conversation and keeps nothing; `reset()` forgets.
+
+    chat_template: "auto" (the tokenizer's own template; without one, the text as is after
+    BOS, as "none"), "vicuna" or "none". Decoding settings (max_new_tokens, temperature,
+    top_k, top_p, seed) are the defaults of every turn; `say` / `answer` take overrides.
+    """
+
+    def __init__(self, target: str, draft: str | None = None, *, method: str = "s2d",
+                 chat_template: str = "auto", system: str | None = None,
+                 gamma: int | None = None, thresholds=None, exit: int | None = None,
+                 exits=None, dtype: str | None = None, **decode):
+        from s2d_jax.data.prompts import end_of_turn_id, resolve_template
+
+        self.decoder, self.tokenizer, self.notes = load_decoder(
+            target, draft, method=method, gamma=gamma, thresholds=thresholds, exit=exit,
+            exits=exits, dtype=dtype)
+        self.template, note = resolve_template(self.tokenizer, chat_template, fallback="none")
+        self.notes += [note] if note else []
+        self.eos_id = end_of_turn_id(self.tokenizer, self.template)
+        self.decode = self._settings(dict(max_new_tokens=128, temperature=0.0, top_k=0,
+                                          top_p=1.0, seed=0), decode)
+        self.system = system
+        self.messages: list[dict] = []
+        self.turns: list[dict] = []  # stats of each answered turn since the last reset
+
+    @staticmethod
+    def _settings(defaults: dict, overrides: dict) -> dict:
+        unknown = set(overrides) - set(defaults)
+        if unknown:
+            raise S2DError(f"unknown decoding setting(s) {', '.join(sorted(unknown))}; use "
+                           f"{', '.join(defaults)}")
+        return {**defaults, **overrides}
+
+    def reset(self) -> None:
+        self.messages, self.turns = [], []
+
+    def say(self, text: str, on_text: Callable[[str], None] | None = None, **decode) -> dict:
+        """Answer the user's `text` after the conversation so far and keep both turns."""
+        if not isinstance(text, str) or not text.strip():
+            raise S2DError("a user turn must be non-empty text")
+        out = self.answer(self.messages + [{"role": "user", "content": text}], on_text,
+                          **decode)
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": out["reply"]}]
+        self.turns.append(out["stats"])
+        return out
+
+    def answer(self, messages, on_text: Callable[[str], None] | None = None,
+               **decode) -> dict:
+        """-> {"text", "token_ids", "prompt_ids", "reply" (the text the conversation keeps),
+        "stats", "summary" (stats_line)}. on_text(piece) streams the answer round by round."""
+        from s2d_jax.data.prompts import messages_ids, reply_text, split_messages
+        from s2d_jax.decode.stats_line import stats_line
+
+        messages = as_messages(messages)
+        split_messages(messages)  # one clear error for a malformed list, before the system's
+        if self.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}] + list(messages)
+        ids = messages_ids(self.tokenizer, self.template, messages)
+        settings = self._settings(self.decode, decode)
+        # a different seed per turn, so sampled turns do not repeat each other's draws
+        settings["seed"] += len(messages) // 2
+        stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
+        out, = self.decoder.generate([ids], eos_id=self.eos_id, **settings,
+                                     chunk_rounds=1 if stream else 0, on_chunk=stream)
+        text = self.tokenizer.decode(out["token_ids"])
+        if stream is not None:
+            stream.show(text)
+        return {"text": text, "token_ids": out["token_ids"], "prompt_ids": ids,
+                "reply": reply_text(self.tokenizer, out["token_ids"]), "stats": out["stats"],
+                "summary": stats_line(out["stats"])}
+
+    def summary(self) -> str:
+        """The conversation's totals since the last reset, as one readable line."""
+        from s2d_jax.decode.stats_line import stats_line
+
+        if not self.turns:
+            return "no turns yet"
+        return f"{len(self.turns)} turn(s): " + stats_line(total_stats(self.turns))
+
+
+def total_stats(turns: list[dict]) -> dict:
+    """Per-turn stats summed into one stats dict of the fields stats_line reads."""
+    first = turns[0]
+    new = sum(s["new_tokens"] for s in turns)
+    calls = sum(s["target_calls"] for s in turns)
+    seconds = sum(s["batch_seconds"] for s in turns)
+    by_exit: dict = {}
+    for s in turns:
+        for e, n in s["drafted_by_exit"].items():
+            by_exit[e] = by_exit.get(e, 0) + n
+    drafted = sum(by_exit.values())
+    kept = sum((s["draft_acceptance"] or 0.0) * sum(s["drafted_by_exit"].values())
+               for s in turns)
+    return {"method": first["method"], "new_tokens": new, "target_calls": calls,
+            "tokens_per_target_call": new / calls if calls else None,
+            "drafted_by_exit": by_exit,
+            "draft_acceptance": kept / drafted if drafted else None,
+            "batch_tokens_per_s": new / seconds if seconds > 0 else None,
+            "compile_seconds": sum(s["compile_seconds"] for s in turns)}
+
+
+class TextStream:
+    """on_chunk for Decoder.generate: hands each newly decoded piece of row 0 to `emit`
+    (`show(text)` hands on the rest of a finished text)."""
+
+    def __init__(self, tok, emit: Callable[[str], None]):
+        self.tok, self.emit, self.printed = tok, emit, ""
+
+    def __call__(self, state) -> None:
+        lo, hi = int(state.prompt_len[0]), int(state.length[0])
+        self.show(self.tok.decode(state.tokens[0, lo:hi].tolist()))
+
+    def show(self, text: str) -> None:
+        # a piece ending inside a multi-byte character decodes differently once complete:
+        # emit only text that extends what is already out
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            self.emit(text[len(self.printed):])
+            self.printed = text

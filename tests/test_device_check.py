@@ -1,0 +1,46 @@
+"""python -m infer.device_check: refuses a CPU without --allow-cpu and bad flags with one
+error line; with --allow-cpu it runs the tiny version and writes the report (slow, ~90 s)."""
+
+import json
+import os
+
+import pytest
+
+from infer.device_check import main
+from tiny_models import cli_error
+
+
+def test_refuses_a_cpu_without_allow_cpu(tmp_path, capsys):
+    out = tmp_path / "dc"
+    err = cli_error(main, capsys, ["--out", str(out)])
+    assert err.startswith("error: no accelerator: jax.devices() shows only a CPU")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value, message", [
+    ("vicuna-7b=nan", "--paper-mat vicuna-7b=nan: need one of"),
+    ("vicuna-7b=0.5", "--paper-mat vicuna-7b=0.5: need one of"),
+    ("llama=3", "--paper-mat llama=3: need one of"),
+])
+def test_refuses_a_bad_paper_mat(tmp_path, capsys, value, message):
+    err = cli_error(main, capsys, ["--out", str(tmp_path / "dc"), "--allow-cpu",
+                                   "--paper-mat", value])
+    assert err.startswith(f"error: {message}")
+    assert not (tmp_path / "dc").exists()
+
+
+@pytest.mark.slow
+def test_allow_cpu_runs_the_tiny_check_and_writes_the_report(tmp_path):
+    out = tmp_path / "dc"
+    assert main(["--out", str(out), "--allow-cpu", "--samples", "2"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["device"].startswith("cpu")
+    greedy = data["smollm2"]["results"]["0.0"]
+    assert greedy["ar"]["exact_match_vs_ar"] == 1.0
+    assert all(r["exact_match_vs_ar"] == 1.0 for r in greedy.values())  # lossless, greedy
+    tiny = data["shapes"]["tiny"]
+    assert sorted(tiny["verify_s"]) == ["1", "2", "3"] and len(tiny["draft_step_s"]) == 3
+    assert len(tiny["predictions"]) == 3 and all(p["speedup"] > 0 for p in tiny["predictions"])
+    report = (out / "report.md").read_text()
+    assert "Device: **cpu" in report and "| target verify, window 3 |" in report
+    assert os.path.exists(out / "smollm2" / "report.md")
