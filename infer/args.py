@@ -1,6 +1,6 @@
 """Argument parsing shared by the entry points (`infer/`, `train/`): the parser class,
-list flags, range checks of numeric flags, the `[NAME=]PATH` target syntax and the
-`--fake-devices` flag.
+list flags, range checks of numeric flags (finite floats only), the `[NAME=]PATH` target
+syntax and the `--fake-devices` flag.
 
 Every check raises a one-line S2DError naming the flag and the fix, which `cli_main`
 prints as `error: ...` (argparse's own errors would print a usage block instead).
@@ -13,6 +13,7 @@ import math
 import os
 import re
 
+from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError
 from s2d_jax.readers import expand_path
 
@@ -45,6 +46,18 @@ class ArgumentParser(argparse.ArgumentParser):
         raise S2DError(f"{message}; see {self.prog} --help")
 
 
+def finite_number(text: str) -> float:
+    """argparse `type=` for float flags: NaN and inf are refused (one line via `error`)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give a finite "
+                                         f"value")
+    return value
+
+
 def path_arg(text: str) -> str:
     """argparse `type` of every path flag: `~` and `$VARS` expanded (readers.expand_path)."""
     return expand_path(text)
@@ -69,13 +82,17 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
 
 
 def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
-                source: str = "max_position_embeddings") -> None:
-    """A round drafts `gamma` tokens after a prompt of >= 1 token and needs one bonus slot
-    and one verify slot: gamma + 3 positions must fit the context (`source` says where its
-    length comes from)."""
-    if gamma > context - 3:
-        raise S2DError(f"{flag} {gamma} does not fit the context of {model} ({context} "
-                       f"positions, {source}); use {flag} <= {context - 3}")
+                source: str = "max_position_embeddings", given: bool = True) -> None:
+    """`gamma` draft tokens must fit the context (defaults.max_gamma; `source` says where
+    its length comes from; `given`: the user passed it, else it is the default)."""
+    from s2d_jax.decode.defaults import max_gamma
+
+    if gamma > max_gamma(context):
+        what = f"{flag} {gamma}" if given else f"the default gamma {gamma}"
+        fix = (f"use {flag} <= {max_gamma(context)}" if max_gamma(context) >= 1 else
+               "it is too short to draft a token; use --method ar")
+        raise S2DError(f"{what} does not fit the context of {model} ({context} positions, "
+                       f"{source}); {fix}")
 
 
 def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:
@@ -95,7 +112,7 @@ def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> N
 def parse_floats(text: str, flag: str = "value", nonempty: bool = False) -> list[float]:
     """'0.6,0.4,0' -> [0.6, 0.4, 0.0]; empty items are skipped."""
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [finite_float(float(x), flag) for x in text.split(",") if x.strip()]
     except ValueError:
         raise S2DError(f"{flag} {text!r} is not comma-separated numbers, e.g. 0.6,0.4,0")
     if nonempty and not vals:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from infer.args import ArgumentParser, path_arg
+from infer.args import ArgumentParser, finite_number, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
@@ -44,7 +44,7 @@ def parse_args(argv):
     ap.add_argument("--check", type=int, default=3, help="best predicted multi-exit settings to measure")
     ap.add_argument("--finalists", type=int, default=4,
                     help="fastest settings measured a second time; the choice is made there")
-    ap.add_argument("--min-gain", type=float, default=0.03,
+    ap.add_argument("--min-gain", type=finite_number, default=0.03,
                     help="settings within this fraction of the fastest (about the run-to-run "
                     "noise here) count as equal and the one closest to the default (one exit, gamma 4) is chosen; a draft stop must "
                     "beat the setting without one by it")

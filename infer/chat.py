@@ -16,7 +16,7 @@ import json
 import sys
 
 from infer.args import (ArgumentParser, check_at_least, check_output_path, check_sampling,
-                        parse_floats, parse_ints, path_arg)
+                        finite_number, parse_floats, parse_ints, path_arg)
 from s2d_jax.errors import S2DError, cli_main
 
 from s2d_jax.decode.defaults import METHODS
@@ -45,8 +45,9 @@ def parse_args(argv):
     ap.add_argument("--system", default=None, help="a system message opening the "
                     "conversation (default: the template's own, if any)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer at most")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=finite_number, default=1.0,
+                    help="nucleus sampling mass (1 = off)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser, check_output_path, path_arg
+from infer.args import ArgumentParser, check_output_path, finite_number, path_arg
 from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                              f"from DIR into --out (default: those found in --src)")
 
     def shards(sp):
-        sp.add_argument("--max-shard-gb", type=float, default=5.0,
+        sp.add_argument("--max-shard-gb", type=finite_number, default=5.0,
                         help="split model.safetensors into shards of at most this size "
                              "(default 5)")
 
@@ -105,12 +105,12 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from_gguf = args.command.startswith("gguf-")
     if from_gguf and not os.path.isfile(args.src):
-        raise S2DError(f"--src {args.src} is not a file; pass a .gguf model file")
+        raise S2DError(f"--src {args.src!r} is not a file; pass a .gguf model file")
     if not from_gguf and not os.path.isdir(args.src):
-        raise S2DError(f"--src {args.src} is not a directory; pass the model directory to "
+        raise S2DError(f"--src {args.src!r} is not a directory; pass the model directory to "
                        f"convert")
     if args.command.endswith("pack-draft") and not os.path.exists(args.target):
-        raise S2DError(f"--target {args.target} does not exist; pass the draft's target "
+        raise S2DError(f"--target {args.target!r} does not exist; pass the draft's target "
                        f"(model dir or .gguf file)")
     tokenizer_dir = getattr(args, "tokenizer", None)
     check_outputs([Output("--out", args.out, OUTPUT_KIND[args.command], args.overwrite)],

@@ -22,13 +22,12 @@ TODO (issue 33 c): --train-minutes N, the draft pipeline on the accelerator for 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import time
 
-from infer.args import ArgumentParser, parse_targets
+from infer.args import ArgumentParser, parse_targets, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
@@ -41,9 +40,8 @@ GAMMA, WINDOWS = {False: 4, True: 2}, {False: 8, True: 3}
 
 
 def _parse(argv):
-    p = ArgumentParser(prog="python -m infer.device_check", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory")
+    p = ArgumentParser(prog="python -m infer.device_check", description=__doc__)
+    p.add_argument("--out", required=True, type=path_arg, help="output directory")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a CPU (tiny sizes: a smoke test, not a measurement)")
     p.add_argument("--paper-mat", default=None, metavar="vicuna-7b=L,vicuna-13b=L",

@@ -20,7 +20,8 @@ import os
 import sys
 
 from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
-                        check_sampling, parse_floats, parse_ints, parse_targets, path_arg)
+                        check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
+                        path_arg)
 from s2d_jax.decode.defaults import METHODS
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import Output, check_outputs
@@ -46,11 +47,12 @@ def parse_args(argv):
                     help="the draft's confidence a threshold compares")
     ap.add_argument("--gamma", type=int, default=None, help="draft tokens per round "
                     "(default: the target's s2d_serving.json for s2d, else 4)")
-    ap.add_argument("--draft-stop", type=float, default=None, help="stop drafting after a "
+    ap.add_argument("--draft-stop", type=finite_number, default=None, help="stop drafting after a "
                     "token less confident than this, in [0,1] (default: the target's "
                     "s2d_serving.json for s2d, else 0 = always gamma tokens)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=finite_number, default=1.0,
+                    help="nucleus sampling mass (1 = off)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     ap.add_argument("--max-new-tokens", type=int, default=128,
@@ -129,7 +131,9 @@ def build_engine(args, targets: dict[str, str]):
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
         gamma = 4 if args.gamma is None else args.gamma
-        check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}")
+        if args.method != "ar":  # ar drafts nothing
+            check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}",
+                        given=args.gamma is not None)
         specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok,
                                  stop_threshold=args.draft_stop or 0.0)
     draft_cfg = draft_params = draft_tok = None
@@ -150,15 +154,17 @@ def build_engine(args, targets: dict[str, str]):
                      draft_exits(extra, draft_cfg))
             if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
                 from s2d_jax.decode.serving_config import load_serving_config
-                served = load_serving_config(next(iter(targets.values())))
+                served = load_serving_config(next(iter(targets.values())),
+                                             _context(next(iter(specs.values())), draft_cfg))
                 if served is not None and served.get("exits"):
-                    exits = [int(e) for e in served["exits"]]
+                    exits = list(served["exits"])
     elif args.method == "self":  # check_args: an exit was given
         exits = [args.exit]
     if exits is not None and thresholds is None:
         from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
         for name, s in specs.items():
-            served = load_serving_config(targets[name]) if args.method == "s2d" else None
+            served = (load_serving_config(targets[name], _context(s, draft_cfg))
+                      if args.method == "s2d" else None)
             if served is not None and list(served.get("exits") or exits) == list(exits):
                 # calibrated by python -m infer.calibrate for this target and these exits
                 note = slower_than_ar_note(served, targets[name])
@@ -177,6 +183,11 @@ def build_engine(args, targets: dict[str, str]):
                     method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence,
                     mesh=mesh)
     return engine, tok
+
+
+def _context(spec, draft_cfg) -> int:
+    """Positions a target and its draft both have: a calibrated gamma must fit them."""
+    return min(spec.cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
 
 
 def _load_intermediates(args, specs) -> list:
@@ -234,6 +245,8 @@ def main(argv=None):
     from s2d_jax.parallel.multihost import maybe_initialize_distributed
     maybe_initialize_distributed()  # before any device query; no-op on one host
     check_sampling(args.temperature, args.top_p, args.top_k)
+    if args.draft_stop is not None and not 0 <= args.draft_stop <= 1:
+        raise S2DError(f"--draft-stop must lie in [0, 1] (0 = off), got {args.draft_stop}")
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
     targets = parse_targets(args.target)

@@ -21,10 +21,12 @@ measured chain vs two-level speed and whether it agrees in direction:
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from infer.args import ArgumentParser, parse_floats, path_arg
 from s2d_jax.bench import theory
+from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.readers import read_text
 
@@ -43,13 +45,15 @@ def _number(flag: str, text: str | None) -> float | None:
     if text is None:
         return None
     try:
-        return float(text)
+        return finite_float(float(text), flag)
     except ValueError:
         raise S2DError(f"{flag} {text!r} is not a number")
 
 
 NUMBER_FLAGS = ("temperature", "beta", "position", "candidate_cost", "new_beta",
                 "measured_gain")
+# a ratio or a call count: 0 or below means nothing
+POSITIVE_FLAGS = ("beta", "new_beta", "measured_gain")
 
 
 def parse_args(argv):
@@ -75,6 +79,10 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     for name in NUMBER_FLAGS:
         setattr(args, name, _number("--" + name.replace("_", "-"), getattr(args, name)))
+    for name in POSITIVE_FLAGS:
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            raise S2DError(f"--{name.replace('_', '-')} must be positive, got {v:g}")
     if not args.position.is_integer():
         raise S2DError(f"--position must be an integer, got {args.position:g}")
     args.position = int(args.position)
@@ -108,6 +116,7 @@ def verdict_lines(title: str, position: int, before: dict, after: dict, *,
                   models: list[str] | None = None) -> tuple[list[str], dict]:
     """Both sides of the insertion inequality, the predicted gain and verdict, and (given a
     measured gain) whether the measurement agrees in direction."""
+    _check_chain_numbers(before, after, measured_gain)
     n = len(before["costs"])
     kept = after.get("kept_costs") or before["costs"]
     cand = after["candidate_cost"]
@@ -133,6 +142,18 @@ def verdict_lines(title: str, position: int, before: dict, after: dict, *,
                      f"{'faster' if faster else 'slower'}: "
                      f"{'agrees' if agrees else 'DISAGREES'} with the prediction")
     return lines, {**res, "agrees": agrees}
+
+
+def _check_chain_numbers(before: dict, after: dict, measured_gain) -> None:
+    """Costs, accept lengths, beta and the measured gain (flags or a report's fields) must
+    be finite and positive: an inf cost or a NaN gain would print 'inf s/token', 'nanx'."""
+    numbers = [*before["costs"], *before["accept_lengths"], before["beta"],
+               after["candidate_cost"], *after["accept_lengths"], *(after.get("kept_costs") or
+                                                                    ())]
+    numbers += [v for v in (after.get("beta"), measured_gain) if v is not None]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in numbers):
+        raise S2DError(f"costs, accept lengths, beta and the measured gain must be finite "
+                       f"positive numbers, got {numbers}; fix the inputs")
 
 
 def explicit(args) -> list[str]:
@@ -161,7 +182,7 @@ def explicit(args) -> list[str]:
 
 
 def _load_report(path: str) -> dict:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory or /dev/null: read_text says what it is
         raise S2DError(f"report {path} does not exist; run python -m infer.bench --chain ...")
     text = read_text(path, "report")
     try:

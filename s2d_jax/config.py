@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -37,8 +38,9 @@ class RopeScaling:
             raise S2DError(
                 f"unknown rope scaling type {self.rope_type!r}; use one of {', '.join(ROPE_TYPES)}"
             )
-        if self.factor <= 0:
-            raise S2DError(f"rope_scaling.factor must be > 0, got {self.factor}")
+        for f in ("factor", "low_freq_factor", "high_freq_factor"):
+            if not getattr(self, f) > 0:
+                raise S2DError(f"rope_scaling.{f} must be > 0, got {getattr(self, f)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,7 @@ class ModelConfig:
 
     def __post_init__(self):
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads"):
+                  "num_kv_heads", "max_position_embeddings"):
             if getattr(self, f) <= 0:
                 raise S2DError(f"model.{f} must be a positive integer, got {getattr(self, f)}")
         if self.num_heads % self.num_kv_heads:
@@ -80,6 +82,9 @@ class ModelConfig:
                     f"model.num_heads={self.num_heads}; set model.head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for f in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, f) > 0:
+                raise S2DError(f"model.{f} must be > 0, got {getattr(self, f)}")
         for f in ("dtype", "param_dtype"):
             if getattr(self, f) not in DTYPES:
                 raise S2DError(f"model.{f}={getattr(self, f)!r} is not one of {', '.join(DTYPES)}")
@@ -99,6 +104,8 @@ class ModelConfig:
     # --- HF config.json both ways -------------------------------------------------------
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], **overrides) -> "ModelConfig":
+        """Every field goes through `build`, so a wrong type (a string, null, an empty
+        list) is one S2DError naming the field, not a TypeError deep in the model."""
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in hf]
@@ -107,21 +114,16 @@ class ModelConfig:
         rs = hf.get("rope_scaling") or None
         if rs is None and isinstance(hf.get("rope_parameters"), dict):
             rs = hf["rope_parameters"]  # transformers 5 moved rope settings here
-        rope = RopeScaling()
-        rope_theta = hf.get("rope_theta", 10000.0)
-        if rs:
-            rtype = rs.get("rope_type", rs.get("type", "default"))
-            rope_theta = rs.get("rope_theta", rope_theta)
-            rope = RopeScaling(
-                rope_type=rtype,
-                factor=float(rs.get("factor", 1.0)),
-                low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    rs.get("original_max_position_embeddings", 8192)),
-            )
-        eos = hf.get("eos_token_id", 2)
-        if isinstance(eos, list):
+        if rs is not None and not isinstance(rs, dict):
+            raise S2DError(f"rope_scaling={rs!r} is not a mapping")
+        rs = rs or {}
+        rope = {k: rs[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if k in rs}
+        rope["rope_type"] = rs.get("rope_type", rs.get("type", "default"))
+        eos = hf.get("eos_token_id")
+        if isinstance(eos, list):  # several end-of-sequence ids: the first one
+            if not eos:
+                raise S2DError("eos_token_id=[] is an empty list, not a token id")
             eos = eos[0]
         kw = dict(
             vocab_size=hf["vocab_size"],
@@ -132,15 +134,15 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or 0,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-            rope_theta=float(rope_theta),
+            rope_theta=rs.get("rope_theta", hf.get("rope_theta", 10000.0)),
             rope_scaling=rope,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id", 1) if hf.get("bos_token_id") is not None else 1,
-            eos_token_id=eos if eos is not None else 2,
+            tie_word_embeddings=hf.get("tie_word_embeddings") or False,
+            bos_token_id=1 if hf.get("bos_token_id") is None else hf["bos_token_id"],
+            eos_token_id=2 if eos is None else eos,
         )
         kw.update(overrides)
-        return cls(**kw)
+        return build(cls, kw)
 
     def to_hf_config(self) -> dict[str, Any]:
         hf = {
@@ -183,13 +185,28 @@ def read_hf_config(path: str) -> ModelConfig:
     hf = read_json(path, "HF config")
     if not isinstance(hf, dict):
         raise S2DError(f"HF config {path} is not a JSON object; fix or re-export it")
-    return ModelConfig.from_hf_config(hf)
+    try:
+        return ModelConfig.from_hf_config(hf)
+    except S2DError as e:
+        raise S2DError(f"HF config {path}: {e}; fix the file or re-export the model") from None
+
+
+def finite_float(value: float, where: str) -> float:
+    """NaN and inf pass every `x <= 0` check and poison what they touch (a NaN learning
+    rate trains a NaN model): refuse them wherever a float enters from the user."""
+    if not math.isfinite(value):
+        raise S2DError(f"{where}={value} is not a finite number; give a finite value")
+    return value
 
 
 # --- YAML loading with overrides ---------------------------------------------------------
 
-def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+def _parse_scalar(text: str, override: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as e:
+        raise S2DError(f"override {override!r}: {text!r} is not a YAML value "
+                       f"({str(e).splitlines()[0]}); fix it, e.g. draft.exits=[2,3]") from None
 
 
 def _coerce(cls_or_type, value, where: str):
@@ -216,15 +233,16 @@ def _coerce(cls_or_type, value, where: str):
     if cls_or_type is float and isinstance(value, str):
         # YAML 1.1 reads "3e-3" (no dot) as a string.
         try:
-            return float(value)
+            return finite_float(float(value), where)
         except ValueError:
             raise S2DError(f"{where}={value!r} is not a float")
     if cls_or_type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return finite_float(float(value), where)
     if cls_or_type is int and isinstance(value, float) and value.is_integer():
         return int(value)
     if cls_or_type in (int, float, str, bool) and not isinstance(value, cls_or_type):
-        raise S2DError(f"{where}={value!r} is not a {cls_or_type.__name__}")
+        name = cls_or_type.__name__
+        raise S2DError(f"{where}={value!r} is not {'an' if name == 'int' else 'a'} {name}")
     if cls_or_type is int and isinstance(value, bool):
         raise S2DError(f"{where}={value!r} is not an int")
     return value
@@ -260,11 +278,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise S2DError(f"override {key!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        node[parts[-1]] = _parse_scalar(text, ov)
     return data
 
 
-def load_yaml(path: str) -> dict[str, Any]:
+def load_yaml(path: str, _includers: tuple[str, ...] = ()) -> dict[str, Any]:
+    if os.path.realpath(path) in _includers:  # a `base` chain that comes back: no end
+        raise S2DError(f"config file {path} includes itself through 'base' "
+                       f"({' -> '.join(_includers + (os.path.realpath(path),))}); remove the "
+                       f"loop")
     if not os.path.isfile(path):
         raise S2DError(f"config file {path} not found; pass a YAML file from configs/")
     data = read_yaml(path) or {}
@@ -272,8 +294,12 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise S2DError(f"config file {path} is not a YAML mapping (key: value lines); fix it")
     # `base: other.yaml` includes another file (relative to this one) and overlays this one.
     base = data.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise S2DError(f"config file {path}: base={base!r} is not a file name; give one YAML "
+                       f"path")
     if base:
-        parent = load_yaml(os.path.join(os.path.dirname(path), base))
+        parent = load_yaml(os.path.join(os.path.dirname(path), base),
+                           _includers + (os.path.realpath(path),))
         data = _deep_merge(parent, data)
     return data
 

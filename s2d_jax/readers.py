@@ -24,7 +24,9 @@ def expand_path(path: str) -> str:
 
 
 def read_text(path: str, what: str = "file") -> str:
-    """The whole file as str; `what` names it in the error ("prompts file", ...)."""
+    """The whole file as str, without a leading UTF-8 byte order mark (some Windows
+    editors write one; it is no content); `what` names it in the error ("prompts file",
+    ...)."""
     path = expand_path(path)
     try:
         with open(path, "rb") as f:
@@ -37,7 +39,7 @@ def read_text(path: str, what: str = "file") -> str:
         raise S2DError(f"cannot read {what} {path}: {e.strerror}; check the path and its "
                        f"permissions") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise S2DError(f"{what} {path} is not valid UTF-8 text (byte 0x{data[e.start]:02x} "
                        f"at offset {e.start}); re-save it as UTF-8") from None

@@ -75,15 +75,35 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
         assert set(m["per_category"]) == {"math_reasoning", "mt_bench"}
         assert m["mean_accepted_tokens"] >= 1.0
     assert res["ar"]["speedup_vs_ar"] == 1.0 and res["ar"]["predicted_speedup"] == 1.0
+    m = res["s2d-0.5"]
+    # the prefills as this run timed them (per turn, split off the rounds), not the probe
+    # prompt's: a prefill's cost follows each prompt's length
+    assert 0 < m["prefill_seconds"] < m["seconds"]
+    assert 0 < res["ar"]["prefill_seconds"] < res["ar"]["seconds"]
+    assert m["draft_steps_per_round"] == pytest.approx(sum(m["exit_usage"]) / m["rounds"])
+    answers = (out / "answers" / "t" / "s2d-cal-T0.jsonl").read_text().splitlines()
+    row = json.loads(answers[0])
+    assert row["model_id"] == "t-s2d-cal" and row["question_id"] == 0
+    assert row["choices"][0]["new_tokens"] == [8] and len(row["choices"][0]["turns"]) == 1
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "report.md").read_text()
+    assert "| t | 0.0 | s2d-cal |" in table and table in capsys.readouterr().out
+    assert any("exact match" in c["check"] and c["pass"] for c in rep["acceptance"])
+    costs = rep["targets"]["t"]["costs"]
     for label in ("s2d-0.5", "s2d-cal"):
         m = res[label]
         assert m["speedup_vs_ar"] == pytest.approx(
             m["tokens_per_second"] / res["ar"]["tokens_per_second"])
-        assert m["predicted_speedup"] > 0 and m["exit_usage"] and sum(m["exit_usage"]) > 0
+        assert m["exit_usage"] and sum(m["exit_usage"]) > 0
         assert m["mean_accepted_tokens"] <= m["gamma"] + 1
-        assert m["measured_over_predicted"] == pytest.approx(
-            m["speedup_vs_ar"] / m["predicted_speedup"])
-    costs = rep["targets"]["t"]["costs"]
+        if costs is not None:
+            assert m["predicted_speedup"] > 0
+            assert m["measured_over_predicted"] == pytest.approx(
+                m["speedup_vs_ar"] / m["predicted_speedup"])
+    if costs is None:  # a machine too loaded to time a round: said so, the runs still count
+        assert any("predicted speedups omitted" in n for n in rep["notes"])
+        assert res["s2d-0.5"]["predicted_speedup"] is None
+        return
     assert set(costs) == {"loop"}  # one cost mechanism: the in-loop probes
     # the prediction is theory.loop_speedup on exactly these numbers: in-loop round costs
     # per forced exit (one per exit, positive), the prefill, this run's rounds and usage
@@ -96,10 +116,6 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
     assert loop["ar"]["max_len"] == loop["s2d-0.5"]["max_len"] and loop["ar"]["rounds"] >= 2
     # the probes were sampled once after each prompt, side by side with the runs
     assert loop["ar"]["trials"] == loop["s2d-0.5"]["trials"] == 2
-    # the prefills as this run timed them (per turn, split off the rounds), not the probe
-    # prompt's: a prefill's cost follows each prompt's length
-    assert 0 < m["prefill_seconds"] < m["seconds"]
-    assert 0 < res["ar"]["prefill_seconds"] < res["ar"]["seconds"]
     exp = theory.loop_speedup(loop["ar"]["round_s"][0], loop["ar"]["prefill_s"],
                               loop["s2d-0.5"]["round_s"], m["exit_usage"],
                               loop["s2d-0.5"]["prefill_s"], prompts=2, tokens=m["new_tokens"],
@@ -107,15 +123,24 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
                               ar_prefill_total_s=res["ar"]["prefill_seconds"]
                               )["predicted_speedup"]
     assert m["predicted_speedup"] == pytest.approx(exp)
-    assert m["draft_steps_per_round"] == pytest.approx(sum(m["exit_usage"]) / m["rounds"])
-    answers = (out / "answers" / "t" / "s2d-cal-T0.jsonl").read_text().splitlines()
-    row = json.loads(answers[0])
-    assert row["model_id"] == "t-s2d-cal" and row["question_id"] == 0
-    assert row["choices"][0]["new_tokens"] == [8] and len(row["choices"][0]["turns"]) == 1
-    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
-    table = (out / "report.md").read_text()
-    assert "| t | 0.0 | s2d-cal |" in table and table in capsys.readouterr().out
-    assert any("exact match" in c["check"] and c["pass"] for c in rep["acceptance"])
+
+
+def test_costs_too_noisy_to_time_leave_the_runs_and_a_note():
+    """Under load a round probe can time nothing (LoopProbe.result refuses): the benchmark
+    keeps its measured runs and omits only the predictions, saying so."""
+    from infer.bench import _measured_costs
+    from s2d_jax.errors import S2DError
+
+    class Untimed:
+        def result(self):
+            raise S2DError("the round probe measured no time: the machine was too noisy")
+
+    notes, logged = [], []
+    assert _measured_costs({"0.0": {"ar": Untimed()}}, "t", logged.append, notes) is None
+    assert notes == logged and "predicted speedups omitted" in notes[0] and "noisy" in notes[0]
+    entry = {"rounds": 4, "exit_usage": [1, 1], "draft_steps_per_round": 2.0, "gamma": 2,
+             "new_tokens": 8, "speedup_vs_ar": 1.2}
+    assert bench.predict(entry, None, "s2d-0.5")["predicted_speedup"] is None
 
 
 def test_method_specs_expand_and_skip():

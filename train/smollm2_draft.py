@@ -31,7 +31,7 @@ import json
 import os
 import shlex
 
-from infer.args import ArgumentParser, parse_ints, path_arg
+from infer.args import ArgumentParser, finite_number, parse_ints, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
@@ -68,7 +68,7 @@ def parse_args(argv):
                     "in the seeded order (0 = all of PROMPT_QUOTA: 28 batches)")
     ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
     ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
-    ap.add_argument("--kd-weight", type=float, default=KD_WEIGHT,
+    ap.add_argument("--kd-weight", type=finite_number, default=KD_WEIGHT,
                     help="share of the loss on the target's whole distribution rather than "
                     f"its sampled tokens, in [0, 1] (default {KD_WEIGHT})")
     ap.add_argument("--exit-choice", choices=("auto", "all"), default="auto",

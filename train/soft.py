@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from infer.args import ArgumentParser, path_arg
-from s2d_jax.errors import cli_main
+from infer.args import ArgumentParser, check_output_path, path_arg
+from s2d_jax.errors import S2DError, cli_main
 
 
 def config_files(path: str) -> list[str]:
@@ -38,6 +38,21 @@ def check_train_outputs(tc, config: str) -> None:
         {"--config": config_files(config), "model.path": tc.model.path,
          "data.paths": list(tc.data.paths), "data.tokenizer": tc.data.tokenizer,
          "data.teacher": tc.data.teacher, "draft.head_vocab": tc.draft.head_vocab})
+    check_writable(tc)
+
+
+def check_writable(tc) -> None:
+    """Fail before any compiling when an output cannot be written (a metrics file that is a
+    directory, a checkpoint dir under a file or read-only: orbax's OSError otherwise)."""
+    if tc.metrics_path:
+        check_output_path(tc.metrics_path, "metrics_path")
+    path = tc.checkpoint.dir
+    if path:
+        check_output_path(path, "checkpoint.dir", is_dir=True)
+        if os.path.exists(path) and not (os.path.isdir(path) and
+                                         os.access(path, os.W_OK | os.X_OK)):
+            raise S2DError(f"checkpoint.dir {path} is not a writable directory; choose "
+                           f"another path")
 
 
 @cli_main
@@ -54,7 +69,11 @@ def main(argv=None):
 
     tc = load_train_config(args.config, args.overrides)
     check_train_outputs(tc, args.config)
-    out = train(tc, progress=not args.no_progress)
+    try:
+        out = train(tc, progress=not args.no_progress)
+    except OSError as e:  # disk full, a path the checks above cannot foresee (/proc)
+        raise S2DError(f"cannot write {e.filename or 'an output'}: {e.strerror or e}; choose "
+                       f"writable checkpoint.dir / metrics_path / export_dir paths") from None
     hist = out["history"]
     if hist:
         last = hist[-1]

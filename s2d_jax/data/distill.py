@@ -24,7 +24,7 @@ from s2d_jax.readers import read_text
 
 
 def _jsonl(path: str) -> list[dict]:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory or /dev/null: read_text says what it is
         raise S2DError(f"prompt file {path} does not exist; check the path")
     rows = []
     for n, line in enumerate(read_text(path, "prompt file").splitlines(), 1):

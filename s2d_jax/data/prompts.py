@@ -150,7 +150,7 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
     category or task; with max_prompts, the first N taken round-robin over the tasks
     (`task_of`; within MT-bench, over its categories). `target` is an optional per-line
     field naming the target a multi-target engine routes the prompt to."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a directory or /dev/null: read_text says what it is
         raise S2DError(f"questions file {path} does not exist; check the path")
     out = []
     for n, line in enumerate(read_text(path, "questions file").splitlines(), 1):
@@ -171,6 +171,9 @@ def read_questions(path: str, categories=None, max_prompts: int | None = None) -
                     row.get("category"), "task": task_of(row.get("category")),
                     "target": row.get("target"), "text": text, "turns": list(row["turns"]),
                     "reference": row.get("reference")})
+    if not out:
+        raise S2DError(f"questions file {path} holds no prompts; write one JSON line with a "
+                       f"'turns' list per prompt")
     if categories:
         known = sorted({str(q["category"]) for q in out} | {q["task"] for q in out})
         missing = [c for c in categories if c not in known]

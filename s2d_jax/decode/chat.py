@@ -26,7 +26,7 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     last). notes: lines for the user (a calibrated setting measured slower than AR)."""
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
-    from s2d_jax.decode.defaults import METHODS
+    from s2d_jax.decode.defaults import METHODS, draft_exits
     from s2d_jax.io.checkpoint import has_tokenizer, load_model
     from s2d_jax.io.tokenizer import load_tokenizer
     from s2d_jax.readers import expand_path
@@ -47,12 +47,14 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
-        served = load_serving_config(target) if method == "s2d" else None
+        served = (load_serving_config(target, min(cfg.max_position_embeddings,
+                                                  draft_cfg.max_position_embeddings))
+                  if method == "s2d" else None)
         if method == "sd":
             exits = [exit or draft_cfg.num_layers]
         elif exits is None:  # the calibrated exit subset, else all the draft's exits
-            exits = ([int(e) for e in served["exits"]] if served and served.get("exits")
-                     else list(extra.get("s2d_exits") or [draft_cfg.num_layers]))
+            exits = (list(served["exits"]) if served and served.get("exits")
+                     else list(draft_exits(extra, draft_cfg)))
         if (served is not None and thresholds is None
                 and list(served.get("exits") or exits) == list(exits)):
             thresholds, stop = served["thresholds"], served["stop_threshold"]

@@ -14,6 +14,12 @@ PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
 BUFFER_BUCKET = 64  # the token / KV-cache buffer per row is a multiple of this
 
 
+def max_gamma(context: int) -> int:
+    """The most draft tokens a round fits in `context` positions: after a prompt of >= 1
+    token it needs gamma draft slots, one bonus slot and one verify slot."""
+    return context - 3
+
+
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
@@ -37,7 +43,8 @@ def buffer_len(prompt_width: int, max_new_tokens: int, round_span: int,
 def draft_exits(extra: dict, draft_cfg: ModelConfig) -> tuple[int, ...]:
     """A sorted draft's exits as stored with it (`s2d_exits` in its config.json), else one
     exit at its full depth."""
-    return tuple(int(e) for e in (extra.get("s2d_exits") or [draft_cfg.num_layers]))
+    from s2d_jax.model.sorted_draft import stored_exits  # jax: only once a draft is loaded
+    return stored_exits(extra, draft_cfg)
 
 
 def tokenizer_eos_id(tok) -> int:

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 
+from s2d_jax.decode.defaults import max_gamma
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import write_atomic
 from s2d_jax.readers import read_text
@@ -26,8 +27,10 @@ def serving_config_path(target_dir: str) -> str:
     return os.path.join(target_dir, SERVING_CONFIG)
 
 
-def load_serving_config(target_dir: str) -> dict | None:
-    """The calibrated S2D settings of a target dir, or None when it has none."""
+def load_serving_config(target_dir: str, context: int | None = None) -> dict | None:
+    """The calibrated S2D settings of a target dir, or None when it has none. Checked like
+    the flags they stand for: with `context` (the positions of the models it will run
+    with), gamma must fit it."""
     path = serving_config_path(target_dir)
     if not os.path.isfile(path):
         return None
@@ -35,16 +38,32 @@ def load_serving_config(target_dir: str) -> dict | None:
     try:
         cfg = json.loads(text)  # a JSONDecodeError is a ValueError
         th = [float(t) for t in cfg["thresholds"]]
-        gamma = int(cfg["gamma"])
+        gamma, exits = cfg["gamma"], cfg.get("exits")
         stop = float(cfg.get("stop_threshold", 0.0))
-    except (KeyError, TypeError, ValueError):
-        raise S2DError(f"{path} is not a valid serving config (needs 'thresholds' and "
-                       f"'gamma'); delete it or rerun python -m infer.calibrate")
+        if not _is_count(gamma) or not (exits is None or isinstance(exits, list) and
+                                        all(_is_count(e) for e in exits)):
+            raise TypeError
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise S2DError(f"{path} is not a valid serving config (needs 'thresholds': numbers, "
+                       f"'gamma': an integer >= 1, optional 'exits': integers); delete it or "
+                       f"rerun python -m infer.calibrate")
     if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1
             or not 0.0 <= stop <= 1.0):
         raise S2DError(f"{path} has thresholds or stop_threshold outside [0, 1] or gamma < 1; "
                        f"rerun python -m infer.calibrate")
+    if exits and any(a >= b for a, b in zip(exits, exits[1:])):
+        raise S2DError(f"{path}: exits {exits} are not ascending layer counts; rerun python "
+                       f"-m infer.calibrate")
+    if context is not None and gamma > max_gamma(context):
+        raise S2DError(f"{path}: gamma {gamma} does not fit the context of the models "
+                       f"({context} positions, max_position_embeddings); rerun python -m "
+                       f"infer.calibrate or set gamma <= {max_gamma(context)}")
     return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
+
+
+def _is_count(x) -> bool:
+    """A positive JSON integer (not a float, string or bool: no silent int() rounding)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def write_serving_config(target_dir: str, cfg: dict) -> str:

@@ -22,6 +22,12 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
               "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
+def _counts(xs) -> bool:
+    """A JSON list of non-negative integers (a shape, byte offsets)."""
+    return isinstance(xs, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                        and x >= 0 for x in xs)
+
+
 class _SafetensorsFile:
     """Memory-mapped reader (safetensors' own numpy reader has no bfloat16)."""
 
@@ -37,16 +43,29 @@ class _SafetensorsFile:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise S2DError(f"{path} has a corrupt safetensors header; re-download it")
+        if not isinstance(header, dict):
+            raise S2DError(f"{path} has a corrupt safetensors header (not a JSON object); "
+                           f"re-download it")
         header.pop("__metadata__", None)
         self.data_start = 8 + n
         self.entries = header
         for name, e in header.items():
-            dtype = _ST_DTYPES.get(e.get("dtype"))
-            start, end = e.get("data_offsets", (0, -1))
-            if dtype is None or end - start != math.prod(e["shape"]) * np.dtype(dtype).itemsize \
-                    or self.data_start + end > size:
-                raise S2DError(f"{path}: tensor {name} is truncated or has an unknown dtype; "
-                               f"re-download the file")
+            if not self._entry_fits(e, size):
+                raise S2DError(f"{path}: tensor {name} is truncated or its header entry "
+                               f"(dtype, shape, data_offsets) is damaged; re-download the file")
+
+    def _entry_fits(self, e, size: int) -> bool:
+        """A header entry is {dtype, shape: [ints], data_offsets: [start, end]} whose bytes
+        lie inside the file."""
+        if not isinstance(e, dict):
+            return False
+        dtype, shape = _ST_DTYPES.get(e.get("dtype")), e.get("shape")
+        offsets = e.get("data_offsets")
+        if dtype is None or not _counts(shape) or not _counts(offsets) or len(offsets) != 2:
+            return False
+        start, end = offsets
+        return (end - start == math.prod(shape) * np.dtype(dtype).itemsize
+                and self.data_start + end <= size)
 
     def keys(self):
         return self.entries.keys()

@@ -75,6 +75,20 @@ def validate_exits(exits, num_layers: int) -> None:
             f"for 12 layers)")
 
 
+def stored_exits(extra: dict | None, cfg: ModelConfig) -> tuple[int, ...]:
+    """A draft's exits as stored with it (`s2d_exits` in its config.json, read from a file:
+    checked, not cast), else one exit at its full depth."""
+    exits = (extra or {}).get("s2d_exits") or [cfg.num_layers]
+    ok = (isinstance(exits, list) and
+          all(isinstance(e, int) and not isinstance(e, bool) for e in exits) and
+          all(a < b for a, b in zip([0] + exits, exits)) and exits[-1] <= cfg.num_layers)
+    if not ok:
+        raise S2DError(f"the draft's s2d_exits {exits!r} are not ascending layer counts in "
+                       f"1..{cfg.num_layers}; fix s2d_exits in its config.json or re-export "
+                       f"the draft")
+    return tuple(exits)
+
+
 def multi_exit_hidden(params: dict, cfg: ModelConfig, exits: tuple[int, ...], tokens,
                       positions=None, segment_ids=None, remat: str = "none") -> list:
     """Hidden states [B, T, D] at every exit, from one pass over the layer stack."""
@@ -196,7 +210,7 @@ def draft_prefix(cfg: ModelConfig, params: dict, extra: dict, exits) -> tuple:
     given exits: every exit of a sorted draft reads only the layers below it and the shared
     norm and head, so a prefix is itself a sorted draft with the same predictions there."""
     exits = [int(e) for e in exits]
-    have = [int(e) for e in (extra or {}).get("s2d_exits") or [cfg.num_layers]]
+    have = list(stored_exits(extra, cfg))
     if not exits or not set(exits) <= set(have) or exits != sorted(set(exits)):
         raise S2DError(f"exits {exits} are not ascending exits of the draft {have}; "
                        f"keep some of its own exits")

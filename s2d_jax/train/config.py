@@ -84,12 +84,28 @@ class TrainConfig:
             raise S2DError(f"optimizer.grad_accum_steps must be >= 1, got {o.grad_accum_steps}")
         if o.lr <= 0 or o.warmup_steps < 0 or o.total_steps < 0:
             raise S2DError("optimizer.lr must be > 0 and warmup_steps/total_steps >= 0")
+        _check_optimizer_ranges(o)
+        if self.log_every < 1:
+            raise S2DError(f"log_every must be >= 1 (log every N steps), got {self.log_every}")
+        if self.stop_after_step < 0:
+            raise S2DError(f"stop_after_step must be >= 0 (0 = off), got {self.stop_after_step}")
         if self.checkpoint.dir and (self.checkpoint.save_every < 1 or self.checkpoint.keep_last < 1):
             raise S2DError("checkpoint.save_every and checkpoint.keep_last must be >= 1")
         if not self.model.path:
             raise S2DError("model.path is empty; set it to a model YAML or an HF/orbax dir")
         if self.mesh.data < 1 or self.mesh.fsdp < 1 or self.mesh.tensor < 1:
             raise S2DError(f"mesh sizes must be >= 1, got {self.mesh}")
+
+
+def _check_optimizer_ranges(o: OptimizerConfig) -> None:
+    """optax takes any float; out of these ranges it trains garbage or NaN."""
+    for name, ok, want in (("b1", 0 <= o.b1 < 1, "in [0, 1)"), ("b2", 0 <= o.b2 < 1, "in [0, 1)"),
+                           ("eps", o.eps > 0, "> 0"),
+                           ("weight_decay", o.weight_decay >= 0, ">= 0"),
+                           ("clip_norm", o.clip_norm >= 0, ">= 0 (0 = no clipping)"),
+                           ("end_lr_ratio", 0 <= o.end_lr_ratio <= 1, "in [0, 1]")):
+        if not ok:
+            raise S2DError(f"optimizer.{name} must be {want}, got {getattr(o, name)}")
 
 
 def load_train_config(path: str | None, overrides=()) -> TrainConfig:
