@@ -66,6 +66,14 @@ inline float load1(const uint16_t* p) {
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
+inline void cpu_relax() {  // while waiting for the chunks another thread claimed
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
 // Rows [0, R) of y, columns [c, c + kCols): y = x @ W, W [K, N] row-major.
 template <int R, typename W>
 void kn_tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t c) {
@@ -249,34 +257,26 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
     pool.Schedule([work] { work->run(); });
   work->run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) __builtin_ia32_pause();
+  while (work->done.load(std::memory_order_acquire) < work->chunks) cpu_relax();
   return ffi::Error::Success();
 }
 
-ffi::Error KN(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return SmallMatmulImpl(pool, x, w, layer, y, false);
+template <bool kNK>
+ffi::Error Layout(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  return SmallMatmulImpl(pool, x, w, layer, y, kNK);
 }
 
-ffi::Error NK(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-              ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  return SmallMatmulImpl(pool, x, w, layer, y, true);
-}
+// (thread pool, x [M, K] f32, w stack, layer index) -> y [M, N] f32
+#define S2D_SMALL_MATMUL_BINDING                \
+  ffi::Ffi::Bind()                              \
+      .Ctx<ffi::ThreadPool>()                   \
+      .Arg<ffi::Buffer<ffi::F32>>()             \
+      .Arg<ffi::AnyBuffer>()                    \
+      .Arg<ffi::Buffer<ffi::S32>>()             \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulKN, KN,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulNK, NK,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulKN, Layout<false>, S2D_SMALL_MATMUL_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dSmallMatmulNK, Layout<true>, S2D_SMALL_MATMUL_BINDING);
