@@ -78,4 +78,9 @@ def test_probes_one_per_exit_and_results_only_after_sampling():
         for _ in range(5):  # medians of 5: these tiny calls are near a loaded machine's noise
             p.sample()
         assert len(p.times[0]) == len(p.times[p.calls]) == 5
-        assert p.result() > 0
+        # on a loaded machine a tiny call's loop can time no slower than an empty one: then
+        # result() must say so rather than return a cost <= 0 (all that holds under any load)
+        try:
+            assert p.result() > 0
+        except S2DError as e:
+            assert "measured no time" in str(e)
