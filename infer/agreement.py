@@ -146,7 +146,7 @@ def main(argv=None):
     from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.checkpoint import load_model
-    from s2d_jax.io.draft_pack import load_draft
+    from s2d_jax.io.checkpoint import load_draft
     from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.target)

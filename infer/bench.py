@@ -185,8 +185,9 @@ def _check_chains(args, targets, temps, kinds) -> dict:
 def hf_draft_dir(draft: str | None, target: str):
     """The draft as a dir transformers loads: a draft pack is completed with the target's
     shared weights into a temporary HF dir (removed afterwards)."""
-    from s2d_jax.io.checkpoint import has_tokenizer
-    from s2d_jax.io.draft_pack import is_draft_pack, unpack_draft
+    from s2d_jax.io.checkpoint import unpack_draft
+    from s2d_jax.io.draft_pack import is_draft_pack
+    from s2d_jax.io.tokenizer import has_tokenizer
 
     if draft is None or not os.path.isdir(draft) or not is_draft_pack(draft):
         yield draft
@@ -362,7 +363,7 @@ def main(argv=None):
     prompts = turns.first_prompts
     draft = None
     if args.draft:
-        from s2d_jax.io.draft_pack import load_draft
+        from s2d_jax.io.checkpoint import load_draft
         # a draft pack takes its shared weights from the (first) target it was made for
         d_cfg, d_params, extra = load_draft(args.draft, next(iter(targets.values())),
                                             dtype=args.dtype)

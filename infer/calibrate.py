@@ -128,7 +128,7 @@ class Calibration:
             log(note)
         self.prompts = encode_questions(tok, questions, template)
         self.cfg, self.params, _ = load_model(path, dtype=args.dtype)
-        from s2d_jax.io.draft_pack import load_draft
+        from s2d_jax.io.checkpoint import load_draft
         self.d_cfg, self.d_params, extra = load_draft(args.draft, self.params,
                                                       dtype=args.dtype)
         self.exits = draft_exits(extra, self.d_cfg)

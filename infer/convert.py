@@ -26,7 +26,8 @@ import sys
 import tempfile
 
 from infer.args import ArgumentParser, check_output_path, finite_number, path_arg
-from s2d_jax.io.checkpoint import TOKENIZER_FILES, has_tokenizer, restore_params, save_params
+from s2d_jax.io.orbax_params import restore_params, save_params
+from s2d_jax.io.tokenizer import TOKENIZER_FILES, has_tokenizer
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.hf import export_hf, load_hf
@@ -155,8 +156,8 @@ def _convert(args, tokenizer_dir):
 
 
 def _convert_pack(args):
-    from s2d_jax.io.checkpoint import load_model
-    from s2d_jax.io.draft_pack import load_draft, save_draft_pack, unpack_draft
+    from s2d_jax.io.checkpoint import load_draft, load_model, unpack_draft
+    from s2d_jax.io.draft_pack import save_draft_pack
 
     if args.command == "unpack-draft":
         tok = args.target if os.path.isdir(args.target) and has_tokenizer(args.target) else None

@@ -139,7 +139,7 @@ def build_engine(args, targets: dict[str, str]):
     draft_cfg = draft_params = draft_tok = None
     exits = None
     if args.method in ("sd", "s2d"):  # check_args: a draft was given
-        from s2d_jax.io.draft_pack import load_draft
+        from s2d_jax.io.checkpoint import load_draft
         # a draft pack takes its shared weights from the (first) target it was made for
         draft_cfg, draft_params, extra = load_draft(
             args.draft, next(iter(specs.values())).params, dtype=args.dtype,

@@ -14,6 +14,7 @@ import types
 import typing
 from typing import Any
 
+import numpy as np
 import yaml
 
 from s2d_jax.errors import S2DError
@@ -174,6 +175,47 @@ class ModelConfig:
                     low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                     original_max_position_embeddings=r.original_max_position_embeddings)
         return hf
+
+
+# --- what a loader's `num_layers` and `dtype` arguments do, for every model format ------
+
+def normalize_dtype(dtype) -> str:
+    """'bfloat16' / jnp.bfloat16 / np.float32 ... -> one of DTYPES, else S2DError."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in DTYPES:
+        raise S2DError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def stored_dtype(dtype) -> str:
+    """The DTYPES name params stored as `dtype` keep (float32 for any other, e.g. float64
+    or a dequantized GGUF block type)."""
+    name = np.dtype(dtype).name
+    return name if name in DTYPES else "float32"
+
+
+def with_dtype(cfg: ModelConfig, dtype, stored) -> ModelConfig:
+    """`cfg` for params loaded with `dtype`, the one rule of every loader: None keeps the
+    params as stored (`stored_dtype(stored)`) and the compute dtype as configured; a dtype
+    casts the params and becomes the compute dtype too."""
+    if dtype is None:
+        return dataclasses.replace(cfg, param_dtype=stored_dtype(stored))
+    dtype = normalize_dtype(dtype)
+    return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+
+
+def first_layers(cfg: ModelConfig, num_layers: int | None, source: str) -> ModelConfig:
+    """`cfg` keeping the first `num_layers` decoder layers (a draft initialised from a
+    target; None keeps all), S2DError unless 1 <= num_layers <= the layers `source` holds."""
+    if num_layers is None:
+        return cfg
+    if not 1 <= num_layers <= cfg.num_layers:
+        raise S2DError(f"num_layers={num_layers} is outside 1..{cfg.num_layers} (the layers "
+                       f"in {source}); pass a layer count in that range")
+    return dataclasses.replace(cfg, num_layers=num_layers)
 
 
 def read_hf_config(path: str) -> ModelConfig:

@@ -11,9 +11,9 @@ import pytest
 from infer import bench as bench_cli
 from infer import convert
 from s2d_jax.errors import S2DError
-from s2d_jax.io.checkpoint import load_model, stored_model_config
-from s2d_jax.io.draft_pack import (PACK_WEIGHTS, load_draft, quantize_int8, save_draft_pack,
-                                   CONTRACTED)
+from s2d_jax.io.checkpoint import load_draft, load_model, stored_model_config
+from s2d_jax.io.draft_pack import PACK_WEIGHTS, quantize_int8, save_draft_pack
+from s2d_jax.model.quantize import INPUT_AXES
 from test_bench import export_tiny_family
 from tiny_models import cli_error
 
@@ -27,7 +27,7 @@ def family(tmp_path_factory):
 
 def test_int8_quantization_error_is_at_most_half_a_step_per_output_channel():
     w = np.random.default_rng(0).standard_normal((2, 16, 4, 8)).astype(np.float32)
-    q, scale = quantize_int8(w, CONTRACTED["wq"])
+    q, scale = quantize_int8(w, INPUT_AXES["wq"])
     assert q.dtype == np.int8 and scale.shape == (2, 1, 4, 8)
     assert (np.abs(q * scale - w) <= scale / 2 + 1e-7).all()
 

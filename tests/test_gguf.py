@@ -20,9 +20,10 @@ from gguf import GGMLQuantizationType as Q
 
 from s2d_jax.errors import S2DError
 from s2d_jax.io import gguf as ggufio
-from s2d_jax.io.checkpoint import load_model, restore_params, stored_model_config
+from s2d_jax.io.checkpoint import load_model, stored_model_config
 from s2d_jax.io.gguf_quants import dequantize
-from s2d_jax.io.hf import NAME_MAP, to_ours
+from s2d_jax.io.orbax_params import restore_params
+from s2d_jax.model.params import PARAMS, to_ours
 from s2d_jax.model.transformer import forward
 from tiny_gguf import (CHATML, D, F, HD, K, L, N, TOKENS, gguf_name, hf_weights,
                        llama_cpp_permute, write_gguf)
@@ -134,7 +135,7 @@ def test_params_match_weights_and_reference_dequantization(tied, tmp_path):
     cfg, params, _ = load_model(path)
     assert cfg.param_dtype == "float32" and cfg.tie_word_embeddings == tied
     reader = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    for row in NAME_MAP:
+    for row in PARAMS:
         if row.path == "lm_head" and tied:
             assert "lm_head" not in params
             continue

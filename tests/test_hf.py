@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from s2d_jax.io import hf
-from s2d_jax.io.checkpoint import load_model, restore_params, save_params
+from s2d_jax.io.checkpoint import load_model
+from s2d_jax.io.orbax_params import restore_params, save_params
 from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import init_cache
 from s2d_jax.model.transformer import forward

@@ -203,3 +203,100 @@ def test_every_import_is_declared(folder, allowed_groups):
 
 def test_core_install_has_no_torch_or_matplotlib():
     assert not {"torch", "matplotlib"} & _declared()["core"]
+
+
+# --- no file-level import cycle ----------------------------------------------------------
+
+def _module_file(root: pathlib.Path, dotted: str) -> pathlib.Path | None:
+    """root/a/b.py or root/a/b/__init__.py for 'a.b', else None (not a module of the tree)."""
+    base = root.joinpath(*dotted.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _import_targets(root: pathlib.Path, node, parts: tuple[str, ...], is_init: bool):
+    """Files of the tree that one Import / ImportFrom node loads: `from p import m` names the
+    module p.m when there is one, else p itself (m is a name defined in p)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = _imported_modules(node, parts, is_init)[0]
+        if base.startswith(f"{PACKAGE}.") and base.count(".") == 1 and \
+                base.split(".")[1] in {a.name for a in node.names}:
+            base = PACKAGE  # `from s2d_jax import decode`: _imported_modules expanded it
+        names = [f"{base}.{a.name}" if _module_file(root, f"{base}.{a.name}") else base
+                 for a in node.names]
+    return {f for f in (_module_file(root, n) for n in names) if f is not None}
+
+
+def import_graph(root: pathlib.Path, package: str = PACKAGE) -> dict:
+    """{file: {imported file: first line}} over root/package, imports inside functions too
+    (a lazy import is still a dependency). A package's __init__ is an edge only where it is
+    named: it runs before any of its modules, so it cannot close a circle between them."""
+    graph = {}
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root)
+        parts = tuple(rel.with_suffix("").parts)
+        is_init = parts[-1] == "__init__"
+        parts = parts[:-1] if is_init else parts
+        edges = graph.setdefault(rel, {})
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(rel))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _import_targets(root, node, parts, is_init):
+                    target = target.relative_to(root)
+                    if target != rel:
+                        edges.setdefault(target, node.lineno)
+    return graph
+
+
+def import_cycles(root: pathlib.Path, package: str = PACKAGE) -> list[str]:
+    """One 'a.py:3 -> b.py:7 -> a.py' line per circle of files that import each other."""
+    graph = import_graph(root, package)
+    cycles, done = [], set()
+    for start in sorted(graph):
+        stack, on_path = [(start, iter(sorted(graph[start])))], [start]
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                on_path.pop()
+                done.add(node)
+            elif child in on_path:
+                loop = on_path[on_path.index(child):] + [child]
+                cycles.append(" -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(loop, loop[1:]))
+                              + f" -> {child}")
+            elif child not in done:
+                stack.append((child, iter(sorted(graph[child]))))
+                on_path.append(child)
+    return cycles
+
+
+def test_no_file_level_import_cycle():
+    graph = import_graph(ROOT)
+    assert pathlib.Path("s2d_jax/io/hf.py") in graph[pathlib.Path("s2d_jax/io/checkpoint.py")]
+    cycles = import_cycles(ROOT)
+    assert not cycles, "files that import each other (give each role its own file):\n" + \
+        "\n".join(cycles)
+
+
+@pytest.mark.parametrize("files, expect", [
+    ({"s2d_jax/io/a.py": "from s2d_jax.io.b import f\n",
+      "s2d_jax/io/b.py": "def f():\n    from s2d_jax.io import a\n"},
+     ["s2d_jax/io/a.py:1 -> s2d_jax/io/b.py:2 -> s2d_jax/io/a.py"]),
+    ({"s2d_jax/io/a.py": "from . import b\n", "s2d_jax/io/b.py": "import s2d_jax.model.c\n",
+      "s2d_jax/model/c.py": "def f():\n    from ..io.a import x\n"},
+     ["s2d_jax/io/a.py:1 -> s2d_jax/io/b.py:1 -> s2d_jax/model/c.py:2 -> s2d_jax/io/a.py"]),
+])
+def test_cycle_checker_finds_a_planted_cycle(tmp_path, files, expect):
+    clean = {"s2d_jax/__init__.py": "def f():\n    from s2d_jax.io import a\n",
+             "s2d_jax/io/__init__.py": "", "s2d_jax/model/__init__.py": "",
+             "s2d_jax/io/a.py": "from s2d_jax.io.b import f\n",
+             "s2d_jax/io/b.py": "import os\nfrom s2d_jax import model\n\ndef f():\n    pass\n",
+             "s2d_jax/model/c.py": "from s2d_jax.io import b\n"}
+    root = _tree(tmp_path, clean)
+    assert import_cycles(root) == []  # downward, lazy and package imports alone: no circle
+    _tree(tmp_path, files)
+    assert import_cycles(root) == expect

@@ -247,7 +247,8 @@ def test_generate_cli_with_a_mesh_prints_the_single_device_tokens(hf_models, tmp
 
 
 def test_a_sharded_target_is_restored_shard_by_shard_from_orbax(tmp_path):
-    from s2d_jax.io.checkpoint import load_model, save_params
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.orbax_params import save_params
     host = host_params()[1]
     save_params(str(tmp_path / "ckpt"), host, CFG)
     mesh = build_mesh(MeshConfig(data=2, tensor=4), {"target": CFG})

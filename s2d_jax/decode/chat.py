@@ -27,8 +27,8 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
     from s2d_jax.decode.defaults import METHODS, draft_exits
-    from s2d_jax.io.checkpoint import has_tokenizer, load_model
-    from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.tokenizer import has_tokenizer, load_tokenizer
     from s2d_jax.readers import expand_path
 
     if method not in METHODS:
@@ -43,7 +43,7 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     draft_cfg = draft_params = draft_tok = None
     stop, notes = 0.0, []
     if method in ("sd", "s2d"):
-        from s2d_jax.io.draft_pack import load_draft
+        from s2d_jax.io.checkpoint import load_draft
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None

@@ -10,9 +10,9 @@ embedding it was trained against, so it can only be completed with that target's
                            s2d_head_vocab, ...}, "weights", "embed_sha256", "target"}
     weights.safetensors   layers.<name> (+ layers.<name>.scale for int8), final_norm
 
-`load_draft(path, target)` is the one loader of a `--draft` argument: a pack is completed
-with the target's shared weights, anything else goes through `load_model`; either way a
-sub-vocabulary head stored as `s2d_head_vocab` becomes params["head_ids"].
+The int8 layers are `model/quantize.py`'s int8 weights (`quantize_weight`), stored with `q`
+in the weight's own shape and `scale` broadcastable to it. `io/checkpoint.load_draft` is
+the loader of a `--draft` argument, pack or not.
 """
 
 from __future__ import annotations
@@ -22,26 +22,26 @@ import hashlib
 import json
 import os
 
+import math
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from s2d_jax.config import ModelConfig, build
+from s2d_jax.config import ModelConfig, build, with_dtype
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.io.outputs import DRAFT_PACK
 from s2d_jax.model.params import param_shapes
-from s2d_jax.readers import expand_path, read_json
+from s2d_jax.model.quantize import INPUT_AXES, QuantizedWeight, quantize_weight
+from s2d_jax.readers import read_json
 
 PACK_SIDECAR = "s2d_draft_pack.json"
 PACK_WEIGHTS = "weights.safetensors"
 PACK_FORMAT, PACK_VERSION = "s2d-jax-draft-pack", 1
 WEIGHT_FORMATS = ("int8", "bfloat16")
-# Axes each layer matrix contracts over (its input); int8 keeps one scale per output.
-CONTRACTED = {"wq": (1,), "wk": (1,), "wv": (1,), "wo": (1, 2), "w_gate": (1,),
-              "w_up": (1,), "w_down": (1,)}
 SHARED = ("embed", "lm_head")  # taken from the target when the pack is loaded
 
 
@@ -56,12 +56,24 @@ def embed_fingerprint(embed) -> str:
         np.asarray(embed).astype(ml_dtypes.bfloat16)).tobytes()).hexdigest()
 
 
-def quantize_int8(w: np.ndarray, axes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 with a float32 scale per output channel (max |w| over `axes`)."""
-    w = np.asarray(w, np.float32)
-    scale = np.max(np.abs(w), axis=axes, keepdims=True) / 127.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    return np.clip(np.rint(w / scale), -127, 127).astype(np.int8), scale
+def quantize_int8(w: np.ndarray, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """A stacked layer matrix w [L, in axes (n_in of them)..., out axes...] as the pack
+    stores it: int8 q of w's shape and a float32 scale per layer and output channel
+    (shape [L, 1 (per input axis)..., out axes...]), by `model/quantize`'s int8 rule."""
+    qw = quantize_weight(jnp.asarray(w, jnp.float32), n_in, bits=8, n_lead=1)
+    lead, out = w.shape[:1], w.shape[1 + n_in:]
+    return np.asarray(qw.q).reshape(w.shape), \
+        np.asarray(qw.scale).reshape(lead + (1,) * n_in + out)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray, n_in: int) -> np.ndarray:
+    """Inverse of `quantize_int8` (up to rounding), as `model/quantize` dequantizes."""
+    lead, inner = q.shape[:1], q.shape[1:]
+    rows = math.prod(inner[:n_in])
+    qw = QuantizedWeight(q=jnp.asarray(q).reshape(lead + (rows, -1)),
+                         scale=jnp.asarray(scale).reshape(lead + (1, 1, -1)),
+                         shape=tuple(inner), group=rows, bits=8)
+    return np.asarray(qw.astype(jnp.float32))
 
 
 def save_draft_pack(out_dir: str, cfg: ModelConfig, params: dict, extra: dict, *,
@@ -82,10 +94,10 @@ def save_draft_pack(out_dir: str, cfg: ModelConfig, params: dict, extra: dict, *
     tensors = {"final_norm": np.asarray(params["final_norm"], np.float32)}
     for name, w in params["layers"].items():
         w = np.asarray(w, np.float32)
-        if name in CONTRACTED and weights == "int8":
+        if name in INPUT_AXES and weights == "int8":
             tensors[f"layers.{name}"], tensors[f"layers.{name}.scale"] = quantize_int8(
-                w, CONTRACTED[name])
-        elif name in CONTRACTED:
+                w, INPUT_AXES[name])
+        elif name in INPUT_AXES:
             tensors[f"layers.{name}"] = w.astype(ml_dtypes.bfloat16)
         else:  # norms: tiny, kept exact
             tensors[f"layers.{name}"] = w
@@ -123,28 +135,35 @@ def _pack_layers(path: str, cfg: ModelConfig) -> dict:
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise S2DError(f"cannot read {file} ({type(e).__name__}: {e}); re-create the pack")
     want = param_shapes(cfg)
-    layers = {}
-    for name, shape in want["layers"].items():
-        w = t.get(f"layers.{name}")
-        if w is None or tuple(w.shape) != tuple(shape):
-            raise S2DError(f"draft pack {path}: layers.{name} is missing or not {shape}; "
-                           f"re-create the pack")
-        w = w.astype(np.float32)
-        if f"layers.{name}.scale" in t:
-            w = w * t[f"layers.{name}.scale"]
-        layers[name] = w
+    layers = {name: _pack_layer(t, name, shape, path)
+              for name, shape in want["layers"].items()}
     if tuple(t.get("final_norm", np.zeros(0)).shape) != tuple(want["final_norm"]):
         raise S2DError(f"draft pack {path}: final_norm is missing or not "
                        f"{want['final_norm']}; re-create the pack")
     return {"layers": layers, "final_norm": t["final_norm"].astype(np.float32)}
 
 
+def _pack_layer(t: dict, name: str, shape: tuple[int, ...], path: str) -> np.ndarray:
+    """One stacked layer param of the pack as float32 (an int8 one dequantized)."""
+    w, scale = t.get(f"layers.{name}"), t.get(f"layers.{name}.scale")
+    if w is None or tuple(w.shape) != tuple(shape):
+        raise S2DError(f"draft pack {path}: layers.{name} is missing or not {shape}; "
+                       f"re-create the pack")
+    if scale is None:
+        return w.astype(np.float32)
+    n_in = INPUT_AXES.get(name, 0)
+    if not n_in or w.dtype != np.int8 or \
+            tuple(scale.shape) != shape[:1] + (1,) * n_in + tuple(shape[1 + n_in:]):
+        raise S2DError(f"draft pack {path}: layers.{name} has a scale but is not an int8 "
+                       f"matrix with one scale per output channel; re-create the pack")
+    return dequantize_int8(w, scale, n_in)
+
+
 def load_draft_pack(path: str, target_params: dict, dtype=None, shardings=None
                     ) -> tuple[ModelConfig, dict, dict]:
     """(cfg, params, extra): the pack's layers completed with the target's shared weights
-    (its embedding must be the one the pack was made with)."""
-    from s2d_jax.io.checkpoint import normalize_dtype
-
+    (its embedding must be the one the pack was made with); `dtype` as
+    `config.with_dtype`, the stored dtype being the draft's own (its sidecar's)."""
     cfg, extra, sidecar = read_pack_config(path)
     embed = target_params.get("embed") if isinstance(target_params, dict) else None
     if embed is None or tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
@@ -155,8 +174,8 @@ def load_draft_pack(path: str, target_params: dict, dtype=None, shardings=None
         raise S2DError(f"draft pack {path} was made for another target's embedding; pass "
                        f"the target it was packed for "
                        f"({sidecar.get('target') or 'see ' + PACK_SIDECAR})")
-    dtype = normalize_dtype(dtype or cfg.param_dtype)
-    cfg = dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype)
+    cfg = with_dtype(cfg, dtype, cfg.param_dtype)
+    dtype = cfg.param_dtype
     own = jax.tree.map(lambda x: jnp.asarray(x, dtype), _pack_layers(path, cfg))
     params = {**own, **{k: jnp.asarray(target_params[k], dtype) for k in SHARED
                         if k in target_params}}
@@ -165,46 +184,3 @@ def load_draft_pack(path: str, target_params: dict, dtype=None, shardings=None
             lambda s: getattr(s, "sharding", s), shardings,
             is_leaf=lambda s: hasattr(s, "sharding")))
     return cfg, params, extra
-
-
-def with_head_ids(params: dict, cfg: ModelConfig, extra: dict, source: str) -> dict:
-    """params plus "head_ids" when the draft has a sub-vocabulary head (`s2d_head_vocab`)."""
-    ids = extra.get("s2d_head_vocab")
-    if not ids:
-        return params
-    arr = np.asarray(ids)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu" or arr.min() < 0 \
-            or arr.max() >= cfg.vocab_size or len(np.unique(arr)) != len(arr):
-        raise S2DError(f"{source}: s2d_head_vocab must list distinct token ids in "
-                       f"[0, {cfg.vocab_size}); re-export the draft")
-    return {**params, "head_ids": jnp.asarray(arr, jnp.int32)}
-
-
-def load_draft(path: str, target, dtype=None, shardings=None
-               ) -> tuple[ModelConfig, dict, dict]:
-    """(cfg, params, extra) of a `--draft`: a draft pack (completed with `target`: its
-    params, or a model path whose shared weights are read) or any model `load_model` reads.
-    """
-    from s2d_jax.io.checkpoint import load_model
-
-    path = expand_path(path)
-    if os.path.isdir(path) and is_draft_pack(path):
-        if isinstance(target, str):  # only the shared weights are needed: one layer
-            target = load_model(target, num_layers=1)[1]
-        cfg, params, extra = load_draft_pack(path, target, dtype, shardings)
-    else:
-        cfg, params, extra = load_model(path, dtype=dtype, shardings=shardings)
-    return cfg, with_head_ids(params, cfg, extra, path), extra
-
-
-def unpack_draft(path: str, target, out_dir: str, tokenizer_dir: str | None = None,
-                 overwrite: bool = False) -> None:
-    """A draft pack as a complete HF dir (full head: transformers has no sub-vocabulary
-    head), e.g. as `assistant_model` of HF assisted generation."""
-    from s2d_jax.io.hf import export_hf
-
-    cfg, params, extra = load_draft(path, target, dtype="float32")
-    params = {k: v for k, v in params.items() if k != "head_ids"}
-    export_hf(params, cfg, out_dir, extra={k: v for k, v in extra.items()
-                                           if k.startswith("s2d_")},
-              tokenizer_dir=tokenizer_dir, overwrite=overwrite)

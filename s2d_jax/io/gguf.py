@@ -6,7 +6,7 @@ Read with `gguf.GGUFReader` (memory-mapped); each tensor is dequantized to float
 dequantized tensor exists at a time besides the output.
 
 Layout differences from HF `LlamaForCausalLM`:
-  - tensor names: `GGUF_NAMES` below;
+  - tensor names: the `gguf` column of `model/params.py`'s table;
   - GGUF dims are listed innermost first; the reader already returns numpy order, which for
     a linear weight is HF's `[out, in]`;
   - llama.cpp's convert_hf_to_gguf.py permutes the rows of attn_q / attn_k so that each
@@ -17,7 +17,6 @@ Layout differences from HF `LlamaForCausalLM`:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Iterator
 
@@ -26,29 +25,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from s2d_jax.config import ModelConfig, RopeScaling
+from s2d_jax.config import ModelConfig, RopeScaling, first_layers, with_dtype
 from s2d_jax.errors import S2DError
-from s2d_jax.io.checkpoint import normalize_dtype
 from s2d_jax.io.gguf_quants import SUPPORTED_TYPES, dequantize
-from s2d_jax.io.hf import get_path, hf_shape, set_path, to_ours
-from s2d_jax.model.params import active_params, shape_of
+from s2d_jax.model.params import (BY_PATH, active_params, get_path, hf_shape, set_path,
+                                  shape_of, to_ours)
 
 GGUF_SUFFIX = ".gguf"
 _MAGIC = b"GGUF"
-GGUF_NAMES = {  # our param path -> GGUF tensor name ("{i}": layer index)
-    "embed": "token_embd.weight",
-    "layers/attn_norm": "blk.{i}.attn_norm.weight",
-    "layers/wq": "blk.{i}.attn_q.weight",
-    "layers/wk": "blk.{i}.attn_k.weight",
-    "layers/wv": "blk.{i}.attn_v.weight",
-    "layers/wo": "blk.{i}.attn_output.weight",
-    "layers/mlp_norm": "blk.{i}.ffn_norm.weight",
-    "layers/w_gate": "blk.{i}.ffn_gate.weight",
-    "layers/w_up": "blk.{i}.ffn_up.weight",
-    "layers/w_down": "blk.{i}.ffn_down.weight",
-    "final_norm": "output_norm.weight",
-    "lm_head": "output.weight",
-}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1 rope scaling, stored as per-frequency factors
 
 
@@ -160,11 +144,12 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise S2DError(f"{f.path}: rope covers {rope_dim} of {head_dim} head dims (partial "
                        f"rotary); only full-head rope is supported")
-    if "token_embd.weight" not in f.tensors:
-        raise S2DError(f"{f.path} has no token_embd.weight; it is not a llama model file")
+    embed = BY_PATH["embed"].gguf
+    if embed not in f.tensors:
+        raise S2DError(f"{f.path} has no {embed}; it is not a llama model file")
     theta = float(f.get("llama.rope.freq_base", 10000.0))
     return ModelConfig(
-        vocab_size=f.shape("token_embd.weight")[0],
+        vocab_size=f.shape(embed)[0],
         hidden_size=hidden,
         intermediate_size=int(_required(f, "llama.feed_forward_length")),
         num_layers=int(_required(f, "llama.block_count")),
@@ -175,7 +160,7 @@ def gguf_model_config(f: GGUFFile) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=_rope_scaling(f, "llama", head_dim, theta),
         max_position_embeddings=int(f.get("llama.context_length", 4096)),
-        tie_word_embeddings=GGUF_NAMES["lm_head"] not in f.tensors,
+        tie_word_embeddings=BY_PATH["lm_head"].gguf not in f.tensors,
         bos_token_id=int(f.get("tokenizer.ggml.bos_token_id", 1)),
         eos_token_id=int(f.get("tokenizer.ggml.eos_token_id", 2)),
     )
@@ -186,8 +171,7 @@ def _check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     expected = {}
     for row in active_params(cfg):
         for i in range(cfg.num_layers) if row.stacked else [None]:
-            expected[GGUF_NAMES[row.path].format(i=i)] = hf_shape(shape_of(row, cfg),
-                                                                   row.n_in)
+            expected[row.gguf.format(i=i)] = hf_shape(shape_of(row, cfg), row.n_in)
     missing = [n for n in expected if n not in f.tensors]
     if missing:
         raise S2DError(f"{f.path} has no tensor {missing[0]} (of {len(missing)} missing); "
@@ -231,22 +215,14 @@ def iter_gguf_params(path: str, num_layers: int | None = None, dtype=None
                      ) -> tuple[ModelConfig, dict, Iterator[tuple[str, np.ndarray]]]:
     """(cfg, extra, iterator of (our "/"-path, host array)), like `hf.iter_hf_params`.
 
-    Dequantized weights are float32; `dtype` casts them and becomes the compute dtype.
+    `num_layers` and `dtype` as `config.first_layers` and `config.with_dtype` (the stored
+    dtype: float32, what every tensor type dequantizes to).
     """
     f = GGUFFile(path)
     cfg = gguf_model_config(f)
     _check_tensors(f, cfg)
-    if num_layers is not None:
-        if not 1 <= num_layers <= cfg.num_layers:
-            raise S2DError(f"num_layers={num_layers} is outside 1..{cfg.num_layers} "
-                           f"(the layers in {path})")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
-    if dtype is None:
-        dtype = "float32"
-    else:
-        dtype = normalize_dtype(dtype)
-        cfg = dataclasses.replace(cfg, dtype=dtype)
-    cfg = dataclasses.replace(cfg, param_dtype=dtype)
+    cfg = with_dtype(first_layers(cfg, num_layers, path), dtype, np.float32)
+    dtype = cfg.param_dtype
 
     def generate():
         rows = active_params(cfg)
@@ -257,7 +233,7 @@ def iter_gguf_params(path: str, num_layers: int | None = None, dtype=None
                 shape = shape_of(row, cfg)
                 out = np.empty(((cfg.num_layers,) if row.stacked else ()) + shape, dtype)
                 for i in range(cfg.num_layers) if row.stacked else [None]:
-                    x = to_ours(_hf_layout(f, cfg, row.path, GGUF_NAMES[row.path].format(i=i)),
+                    x = to_ours(_hf_layout(f, cfg, row.path, row.gguf.format(i=i)),
                                 shape, row.n_in)
                     if i is None:
                         out[...] = x

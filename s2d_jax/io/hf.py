@@ -1,8 +1,8 @@
 """HF `LlamaForCausalLM` checkpoints <-> s2d-jax params, both ways, one tensor at a time.
 
-`NAME_MAP` (the rows of `model/params.py`) is the whole correspondence: one row per
+The rows of `model/params.py`'s `PARAMS` are the whole correspondence: one row per
 parameter, naming the HF tensor and saying whether it is a linear weight (HF stores
-`[out, in]`; we store `[in..., out...]` with heads split out). Loading fills each
+`[out, in]`; we store `[in..., out...]` with heads split out: `params.to_ours/to_hf`). Loading fills each
 preallocated stacked `[L, ...]` host array layer by layer from memory-mapped files
 (`hf_files.py`), so a 70B conversion never holds two copies; exporting walks the same rows
 backwards, writing one shard at a time.
@@ -10,7 +10,6 @@ backwards, writing one shard at a time.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -21,36 +20,19 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from s2d_jax.io.atomic import atomic_output_dir
-from s2d_jax.io.outputs import HF_DIR
-from s2d_jax.io.checkpoint import normalize_dtype, tokenizer_files
-from s2d_jax.config import ModelConfig, read_hf_config
+from s2d_jax.config import ModelConfig, first_layers, read_hf_config, with_dtype
 from s2d_jax.errors import S2DError
+from s2d_jax.io.atomic import atomic_output_dir
 from s2d_jax.io.hf_files import WeightSource, write_safetensors
-from s2d_jax.model.params import PARAMS, Param, active_params, shape_of
+from s2d_jax.io.outputs import HF_DIR
+from s2d_jax.io.tokenizer import tokenizer_files
+from s2d_jax.model.params import (BY_PATH, PARAMS, Param, active_params, get_path, hf_shape,
+                                  set_path, shape_of, to_hf, to_ours)
 from s2d_jax.readers import read_json
 
-
-# The whole correspondence: one row per parameter of `model/params.py`'s table, each with
-# its HF name ("{i}" = layer index of a stacked param) and linear-weight layout (`n_in`).
-NAME_MAP = PARAMS
 # HF tensors that carry no weights we need (old checkpoints stored the rope table).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 EXTRA_PREFIX = "s2d_"  # config.json keys returned as `extra` (e.g. a draft's s2d_exits)
-
-
-def hf_shape(our_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
-    if n_in is None:
-        return our_shape
-    return (math.prod(our_shape[n_in:]), math.prod(our_shape[:n_in]))
-
-
-def to_ours(x: np.ndarray, our_shape, n_in) -> np.ndarray:
-    return x if n_in is None else x.T.reshape(our_shape)
-
-
-def to_hf(y: np.ndarray, n_in) -> np.ndarray:
-    return y if n_in is None else y.reshape(math.prod(y.shape[:n_in]), -1).T
 
 
 # --- HF dir -> params -------------------------------------------------------------------
@@ -84,7 +66,7 @@ def _check_tensors(source: WeightSource, cfg: ModelConfig, full_layers: int, mod
             if source.shape(name) != want:
                 raise S2DError(f"{model_dir}: {name} has shape {source.shape(name)} but "
                                f"config.json implies {want}; config and weights disagree")
-    known = {r.hf.format(i=i) for r in NAME_MAP for i in range(full_layers)}
+    known = {r.hf.format(i=i) for r in PARAMS for i in range(full_layers)}
     unknown = sorted(n for n in source.names()
                      if n not in known and not n.endswith(_IGNORED_SUFFIXES))
     if unknown:
@@ -96,26 +78,17 @@ def iter_hf_params(model_dir: str, num_layers: int | None = None, dtype=None
                    ) -> tuple[ModelConfig, dict, Iterator[tuple[str, np.ndarray]]]:
     """(cfg, extra, iterator of (our "/"-path, host array)): one stacked param at a time.
 
-    `num_layers` keeps only the first N decoder layers (a draft initialised from a target);
-    `dtype` casts every tensor and becomes the compute dtype too (default: keep the
-    embedding's stored dtype, compute in float32). The returned cfg reflects both.
+    `num_layers` and `dtype` as `config.first_layers` and `config.with_dtype` (the stored
+    dtype: the embedding's). The returned cfg reflects both.
     """
     cfg, extra = read_hf_model_config(model_dir)
     full_layers = cfg.num_layers
-    if num_layers is not None:
-        if not 1 <= num_layers <= full_layers:
-            raise S2DError(f"num_layers={num_layers} is outside 1..{full_layers} "
-                           f"(the layers in {model_dir})")
-        cfg = dataclasses.replace(cfg, num_layers=num_layers)
+    cfg = first_layers(cfg, num_layers, model_dir)
     source = WeightSource(model_dir)
     _check_tensors(source, cfg, full_layers, model_dir)
-    if dtype is None:  # keep the stored dtype, compute in cfg.dtype (float32)
-        stored = source.get("model.embed_tokens.weight").dtype
-        dtype = stored.name if stored.name in ("bfloat16", "float16") else "float32"
-        cfg = dataclasses.replace(cfg, param_dtype=dtype)
-    else:
-        dtype = normalize_dtype(dtype)
-        cfg = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype)
+    stored = source.get(BY_PATH["embed"].hf).dtype if dtype is None else None
+    cfg = with_dtype(cfg, dtype, stored)
+    dtype = cfg.param_dtype
 
     def generate():
         rows = active_params(cfg)
@@ -139,19 +112,6 @@ def iter_hf_params(model_dir: str, num_layers: int | None = None, dtype=None
                 del out  # the consumer owns it now (on device, or kept on host)
 
     return cfg, extra, generate()
-
-
-def set_path(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for p in parents:
-        tree = tree.setdefault(p, {})
-    tree[leaf] = value
-
-
-def get_path(tree: dict, path: str):
-    for p in path.split("/"):
-        tree = tree[p]
-    return tree
 
 
 def load_hf(model_dir: str, num_layers: int | None = None, dtype=None, shardings=None,

@@ -17,6 +17,8 @@ which this reasoning does not hold fails loudly instead of training on wrong ids
 
 `encode` never parses special-token text: "</s>" in user text stays text, as in
 sentencepiece. Callers that need EOS/BOS insert the ids (see s2d_jax.data.chat).
+`TOKENIZER_FILES` are the files that make a directory a tokenizer; every model writer
+(`io/orbax_params.py`, `io/hf.py`) copies them along with `tokenizer_files`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,29 @@ _SP_WORD = f"{SPACE}*[^{SPACE}]+|{SPACE}+"
 _PROBES = ("a  b", " x", "  leading", "hello\n\nworld", "def f():\n    return 1\n",
            "x   ", " ", "", "h\u00e9llo \u4e16\u754c \U0001F916", "a" + " " * 20 + "b",
            "12  345", "\t x\r\n", "USER: hi ASSISTANT: yo")
+
+
+# chat_template.jinja / .json: where transformers >= 4.43 saves the chat template
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def has_tokenizer(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f))
+               for f in ("tokenizer.model", "tokenizer.json"))
+
+
+def tokenizer_files(directory: str | None, required: bool = False) -> list[str]:
+    """Paths of the tokenizer files in `directory` (a written model carries them along)."""
+    if directory is None:
+        return []
+    found = [os.path.join(directory, f) for f in TOKENIZER_FILES
+             if os.path.isfile(os.path.join(directory, f))]
+    if required and not has_tokenizer(directory):
+        raise S2DError(f"no tokenizer files in {directory} (expected tokenizer.model or "
+                       f"tokenizer.json); pass a tokenizer directory")
+    return found
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

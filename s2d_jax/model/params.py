@@ -1,18 +1,20 @@
-"""The one table of a Llama-family model's parameters: path, logical axes, init, HF name.
+"""The one table of a Llama-family model's parameters: path, logical axes, init, HF and
+GGUF names; and the layout helpers that read it (HF's `[out, in]` <-> ours, "/"-paths).
 
 Every other view of the params is read from `PARAMS`: the Flax modules create each
 parameter from its row (`transformer.py`), `param_shapes` sizes it, the logical axes
-become its sharding through `parallel/mesh.py`'s rules, and `io/hf.py` maps it to and
-from its HF tensor. A row's shape is its logical axes' sizes, so the axes are also the
-shape's documentation.
+become its sharding through `parallel/mesh.py`'s rules, `io/hf.py` maps it to and from
+its HF tensor and `io/gguf.py` reads it from its GGUF tensor. A row's shape is its
+logical axes' sizes, so the axes are also the shape's documentation.
 
 Decoder-block rows (`layers/...`) list the axes of ONE layer; the stack adds a leading
-"layers" axis (and `{i}` in the HF name is the layer index).
+"layers" axis (and `{i}` in the HF and GGUF names is the layer index).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from s2d_jax.config import ModelConfig
 
@@ -23,6 +25,7 @@ class Param:
     axes: tuple[str, ...]  # logical axis names (per layer for stacked params)
     init: str  # "normal" (normal(std)) or "ones"
     hf: str  # HF LlamaForCausalLM state-dict name
+    gguf: str  # llama.cpp GGUF tensor name (same layout as HF's up to the rope row order)
     # Linear weight: number of leading input (contracted) axes in our layout. HF stores a
     # linear weight as [out, in]; we store [in..., out...] with heads split out. None: the
     # tensor has the same layout in both.
@@ -37,24 +40,30 @@ class Param:
         return self.path.rsplit("/", 1)[-1]
 
 
+_HF = "model.layers.{i}."  # HF name prefix of a decoder layer's tensors
+_GG = "blk.{i}."  # GGUF name prefix of a decoder layer's tensors
 PARAMS = (
-    Param("embed", ("vocab", "embed"), "normal", "model.embed_tokens.weight"),
-    Param("layers/attn_norm", ("norm",), "ones", "model.layers.{i}.input_layernorm.weight"),
-    Param("layers/wq", ("embed", "heads", "head_dim"), "normal",
-          "model.layers.{i}.self_attn.q_proj.weight", 1),
+    Param("embed", ("vocab", "embed"), "normal", "model.embed_tokens.weight", "token_embd.weight"),
+    Param("layers/attn_norm", ("norm",), "ones", _HF + "input_layernorm.weight",
+          _GG + "attn_norm.weight"),
+    Param("layers/wq", ("embed", "heads", "head_dim"), "normal", _HF + "self_attn.q_proj.weight",
+          _GG + "attn_q.weight", 1),
     Param("layers/wk", ("embed", "kv_heads", "head_dim"), "normal",
-          "model.layers.{i}.self_attn.k_proj.weight", 1),
+          _HF + "self_attn.k_proj.weight", _GG + "attn_k.weight", 1),
     Param("layers/wv", ("embed", "kv_heads", "head_dim"), "normal",
-          "model.layers.{i}.self_attn.v_proj.weight", 1),
-    Param("layers/wo", ("heads", "head_dim", "embed"), "normal",
-          "model.layers.{i}.self_attn.o_proj.weight", 2),
-    Param("layers/mlp_norm", ("norm",), "ones",
-          "model.layers.{i}.post_attention_layernorm.weight"),
-    Param("layers/w_gate", ("embed", "mlp"), "normal", "model.layers.{i}.mlp.gate_proj.weight", 1),
-    Param("layers/w_up", ("embed", "mlp"), "normal", "model.layers.{i}.mlp.up_proj.weight", 1),
-    Param("layers/w_down", ("mlp", "embed"), "normal", "model.layers.{i}.mlp.down_proj.weight", 1),
-    Param("final_norm", ("norm",), "ones", "model.norm.weight"),
-    Param("lm_head", ("embed", "vocab"), "normal", "lm_head.weight", 1),
+          _HF + "self_attn.v_proj.weight", _GG + "attn_v.weight", 1),
+    Param("layers/wo", ("heads", "head_dim", "embed"), "normal", _HF + "self_attn.o_proj.weight",
+          _GG + "attn_output.weight", 2),
+    Param("layers/mlp_norm", ("norm",), "ones", _HF + "post_attention_layernorm.weight",
+          _GG + "ffn_norm.weight"),
+    Param("layers/w_gate", ("embed", "mlp"), "normal", _HF + "mlp.gate_proj.weight",
+          _GG + "ffn_gate.weight", 1),
+    Param("layers/w_up", ("embed", "mlp"), "normal", _HF + "mlp.up_proj.weight",
+          _GG + "ffn_up.weight", 1),
+    Param("layers/w_down", ("mlp", "embed"), "normal", _HF + "mlp.down_proj.weight",
+          _GG + "ffn_down.weight", 1),
+    Param("final_norm", ("norm",), "ones", "model.norm.weight", "output_norm.weight"),
+    Param("lm_head", ("embed", "vocab"), "normal", "lm_head.weight", "output.weight", 1),
 )
 BY_PATH = {p.path: p for p in PARAMS}
 LAYER_PARAMS = tuple(p for p in PARAMS if p.stacked)
@@ -91,3 +100,35 @@ def param_shapes(cfg: ModelConfig) -> dict:
         else:
             shapes[p.path] = stored_shape(p, cfg)
     return shapes
+
+
+# --- layouts: HF's linear weight [out, in] <-> ours [in..., out...] -------------------------
+
+def hf_shape(our_shape: tuple[int, ...], n_in: int | None) -> tuple[int, ...]:
+    """The HF (and GGUF) shape of a tensor that has `our_shape` here (a row's `n_in`)."""
+    if n_in is None:
+        return our_shape
+    return (math.prod(our_shape[n_in:]), math.prod(our_shape[:n_in]))
+
+
+def to_ours(x, our_shape, n_in):
+    return x if n_in is None else x.T.reshape(our_shape)
+
+
+def to_hf(y, n_in):
+    return y if n_in is None else y.reshape(math.prod(y.shape[:n_in]), -1).T
+
+
+# --- "/"-paths ("layers/wq") into a params dict ----------------------------------------------
+
+def set_path(tree: dict, path: str, value) -> None:
+    *parents, leaf = path.split("/")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def get_path(tree: dict, path: str):
+    for p in path.split("/"):
+        tree = tree[p]
+    return tree
