@@ -222,10 +222,10 @@ def _import_targets(root: pathlib.Path, node, parts: tuple[str, ...], is_init: b
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     else:
-        base = _imported_modules(node, parts, is_init)[0]
-        if base.startswith(f"{PACKAGE}.") and base.count(".") == 1 and \
-                base.split(".")[1] in {a.name for a in node.names}:
-            base = PACKAGE  # `from s2d_jax import decode`: _imported_modules expanded it
+        modules = _imported_modules(node, parts, is_init)
+        # `from s2d_jax import decode, io`: _imported_modules already named the subpackages
+        base = PACKAGE if modules == [f"{PACKAGE}.{a.name}" for a in node.names] \
+            else modules[0]
         names = [f"{base}.{a.name}" if _module_file(root, f"{base}.{a.name}") else base
                  for a in node.names]
     return {f for f in (_module_file(root, n) for n in names) if f is not None}
@@ -252,7 +252,8 @@ def import_graph(root: pathlib.Path, package: str = PACKAGE) -> dict:
 
 
 def import_cycles(root: pathlib.Path, package: str = PACKAGE) -> list[str]:
-    """One 'a.py:3 -> b.py:7 -> a.py' line per circle of files that import each other."""
+    """'a.py:3 -> b.py:7 -> a.py' (file:line of each import) for each circle of files that
+    import each other the search meets: at least one line whenever there is a circle."""
     graph = import_graph(root, package)
     cycles, done = [], set()
     for start in sorted(graph):
@@ -269,7 +270,7 @@ def import_cycles(root: pathlib.Path, package: str = PACKAGE) -> list[str]:
                 cycles.append(" -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(loop, loop[1:]))
                               + f" -> {child}")
             elif child not in done:
-                stack.append((child, iter(sorted(graph[child]))))
+                stack.append((child, iter(sorted(graph.get(child, ())))))  # () outside
                 on_path.append(child)
     return cycles
 

@@ -2,10 +2,10 @@
 
 The rows of `model/params.py`'s `PARAMS` are the whole correspondence: one row per
 parameter, naming the HF tensor and saying whether it is a linear weight (HF stores
-`[out, in]`; we store `[in..., out...]` with heads split out: `params.to_ours/to_hf`). Loading fills each
-preallocated stacked `[L, ...]` host array layer by layer from memory-mapped files
-(`hf_files.py`), so a 70B conversion never holds two copies; exporting walks the same rows
-backwards, writing one shard at a time.
+`[out, in]`; we store `[in..., out...]` with heads split out: `params.to_ours/to_hf`).
+Loading fills each preallocated stacked `[L, ...]` host array layer by layer from
+memory-mapped files (`hf_files.py`), so a 70B conversion never holds two copies;
+exporting walks the same rows backwards, writing one shard at a time.
 """
 
 from __future__ import annotations
