@@ -21,14 +21,13 @@ import os
 from typing import Iterator
 
 import gguf  # the PyPI package (llama.cpp's gguf-py), not this module
-import jax
 import numpy as np
 from tqdm.auto import tqdm
 
 from s2d_jax.config import ModelConfig, RopeScaling, first_layers, with_dtype
 from s2d_jax.errors import S2DError
 from s2d_jax.io.gguf_quants import SUPPORTED_TYPES, dequantize
-from s2d_jax.model.params import (BY_PATH, active_params, get_path, hf_shape, set_path,
+from s2d_jax.model.params import (BY_PATH, active_params, hf_shape, params_from_stream,
                                   shape_of, to_ours)
 
 GGUF_SUFFIX = ".gguf"
@@ -252,13 +251,7 @@ def load_gguf(path: str, num_layers: int | None = None, dtype=None, shardings=No
     """(cfg, params, extra) from a GGUF file; each param goes to its devices when read
     (`shardings`: params-shaped tree of Shardings), or stays numpy if `host`."""
     cfg, extra, stream = iter_gguf_params(path, num_layers, dtype)
-    params: dict = {}
-    for p, arr in stream:
-        if not host:
-            sharding = get_path(shardings, p) if shardings is not None else None
-            arr = jax.device_put(arr, getattr(sharding, "sharding", sharding))
-        set_path(params, p, arr)
-    return cfg, params, extra
+    return cfg, params_from_stream(stream, shardings, host), extra
 
 
 # --- tokenizer ---------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import os
 import shutil
 from typing import Iterator
 
-import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -27,7 +26,7 @@ from s2d_jax.io.hf_files import WeightSource, write_safetensors
 from s2d_jax.io.outputs import HF_DIR
 from s2d_jax.io.tokenizer import tokenizer_files
 from s2d_jax.model.params import (BY_PATH, PARAMS, Param, active_params, get_path, hf_shape,
-                                  set_path, shape_of, to_hf, to_ours)
+                                  params_from_stream, shape_of, to_hf, to_ours)
 from s2d_jax.readers import read_json
 
 # HF tensors that carry no weights we need (old checkpoints stored the rope table).
@@ -119,14 +118,7 @@ def load_hf(model_dir: str, num_layers: int | None = None, dtype=None, shardings
     """(cfg, params, extra) from an HF dir. Each param goes to its devices as soon as it
     is read (`shardings`: a params-shaped tree of Shardings), or stays numpy if `host`."""
     cfg, extra, stream = iter_hf_params(model_dir, num_layers, dtype)
-    params: dict = {}
-    for path, arr in stream:
-        if not host:
-            sharding = get_path(shardings, path) if shardings is not None else None
-            sharding = getattr(sharding, "sharding", sharding)  # ShapeDtypeStruct or Sharding
-            arr = jax.device_put(arr, sharding)
-        set_path(params, path, arr)
-    return cfg, params, extra
+    return cfg, params_from_stream(stream, shardings, host), extra
 
 
 # --- params -> HF dir -------------------------------------------------------------------

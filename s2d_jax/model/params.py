@@ -1,5 +1,6 @@
 """The one table of a Llama-family model's parameters: path, logical axes, init, HF and
-GGUF names; and the layout helpers that read it (HF's `[out, in]` <-> ours, "/"-paths).
+GGUF names; and the layout helpers that read it (HF's `[out, in]` <-> ours, "/"-paths, the
+params dict of a streaming loader).
 
 Every other view of the params is read from `PARAMS`: the Flax modules create each
 parameter from its row (`transformer.py`), `param_shapes` sizes it, the logical axes
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import jax
 
 from s2d_jax.config import ModelConfig
 
@@ -132,3 +135,16 @@ def get_path(tree: dict, path: str):
     for p in path.split("/"):
         tree = tree[p]
     return tree
+
+
+def params_from_stream(stream, shardings=None, host: bool = False) -> dict:
+    """The params dict of a stream of ("/"-path, host array) pairs (a streaming loader's),
+    each put on its devices as soon as it arrives (`shardings`: a params-shaped tree of
+    Shardings or ShapeDtypeStructs; None: the default device), or kept on host if `host`."""
+    params: dict = {}
+    for path, arr in stream:
+        if not host:
+            sharding = get_path(shardings, path) if shardings is not None else None
+            arr = jax.device_put(arr, getattr(sharding, "sharding", sharding))
+        set_path(params, path, arr)
+    return params
