@@ -81,10 +81,13 @@ def write_serving_config(target_dir: str, cfg: dict) -> str:
 
 def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,
                    questions: str, num_prompts: int, max_new_tokens: int) -> dict:
-    """The serving config's content. Paths (informational) are relative to the target dir,
-    where the config lives, so a moved or cloned tree keeps them right."""
+    """The serving config's content. Paths (informational) are relative to the folder
+    where the config lives (the target dir, or a .gguf's folder), so a moved or cloned tree
+    keeps them right."""
+    home = os.path.dirname(os.path.abspath(serving_config_path(target_dir)))
+
     def rel(path):
-        return os.path.relpath(os.path.abspath(path), os.path.abspath(target_dir))
+        return os.path.relpath(os.path.abspath(path), home)
 
     return {"draft": rel(draft_dir), "exits": [int(e) for e in best["exits"]],
             "thresholds": best["thresholds"], "gamma": best["gamma"],
