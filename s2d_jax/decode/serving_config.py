@@ -156,10 +156,11 @@ def resolve(method: str, draft_exits: Sequence[int] = (), served: dict | None = 
     """The decode setting of `method` on a target: draft_exits are the draft's (`s2d_exits`,
     defaults.draft_exits), draft_layers its depth (sd's default exit), served the target's
     load_serving_config (used by s2d only), the keywords the caller's overrides (None: not
-    given), target its path (for notes). s2d: exits default to the calibrated ones when the calibration fits the draft
-    (calibration_fits), else the draft's; thresholds, gamma and the stop are the calibrated
-    ones when no thresholds are given and the exits are the calibrated ones. Otherwise
-    thresholds are the paper's, gamma DEFAULT_GAMMA and the stop 0."""
+    given), target its path (for notes). s2d: exits default to the calibrated ones when
+    the calibration fits the draft (calibration_fits), else the draft's (the exits default,
+    defined here once); thresholds, gamma and the stop are the calibrated ones when no
+    thresholds are given and the exits are the calibrated ones. Otherwise thresholds are
+    the paper's, gamma DEFAULT_GAMMA and the stop 0."""
     note, use = None, None
     if method == "ar":
         exits = ()
