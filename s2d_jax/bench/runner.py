@@ -238,16 +238,23 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
                     prompt = next_turn(i, answers) if next_turn is not None else None
         if between is not None:
             between()
+    items, runs = _turn_results(outs, secs, pre, labels, temperatures)
+    return {"runs": runs, "items": items, "compile_seconds": compile_s}
+
+
+def _turn_results(outs: dict, secs: dict, pre: dict, labels, temperatures) -> tuple:
+    """(items, {T: {label: [per-turn result]}}) from the runs keyed (T, label, question,
+    turn): the median seconds over repeats, the last repeat's tokens and stats."""
     # every (T, method) ran the same turns: a question's turn count is the file's
     items = sorted({(i, j) for (_, _, i, j) in outs})
-    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i, j)]["token_ids"],
-                                "prompt": outs[(float(t), label, i, j)]["prompt"],
-                                "seconds": statistics.median(secs[(float(t), label, i, j)]),
-                                "prefill_seconds": _median_or_none(
-                                    pre[(float(t), label, i, j)]),
-                                "stats": outs[(float(t), label, i, j)]["stats"]}
-                               for i, j in items] for label in labels} for t in temperatures}
-    return {"runs": runs, "items": items, "compile_seconds": compile_s}
+
+    def result(key):
+        return {"token_ids": outs[key]["token_ids"], "prompt": outs[key]["prompt"],
+                "seconds": statistics.median(secs[key]),
+                "prefill_seconds": _median_or_none(pre[key]), "stats": outs[key]["stats"]}
+    runs = {float(t): {label: [result((float(t), label, i, j)) for i, j in items]
+                       for label in labels} for t in temperatures}
+    return items, runs
 
 
 def _median_or_none(values: list):
