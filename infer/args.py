@@ -14,6 +14,8 @@ import os
 import re
 
 from s2d_jax.config import finite_float
+# the gamma check lives beside max_gamma (the library's benchmark uses it too)
+from s2d_jax.decode.defaults import check_gamma  # noqa: F401
 from s2d_jax.errors import S2DError
 from s2d_jax.readers import expand_path
 
@@ -79,20 +81,6 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise S2DError(f"--top-p must lie in (0, 1] (1 = off), got {top_p}")
     if top_k < 0:
         raise S2DError(f"--top-k must be >= 0 (0 = off), got {top_k}")
-
-
-def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
-                source: str = "max_position_embeddings", given: bool = True) -> None:
-    """`gamma` draft tokens must fit the context (defaults.max_gamma; `source` says where
-    its length comes from; `given`: the user passed it, else it is the default)."""
-    from s2d_jax.decode.defaults import max_gamma
-
-    if gamma > max_gamma(context):
-        what = f"{flag} {gamma}" if given else f"the default gamma {gamma}"
-        fix = (f"use {flag} <= {max_gamma(context)}" if max_gamma(context) >= 1 else
-               "it is too short to draft a token; use --method ar")
-        raise S2DError(f"{what} does not fit the context of {model} ({context} positions, "
-                       f"{source}); {fix}")
 
 
 def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:

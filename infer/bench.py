@@ -40,11 +40,9 @@ in report.md; `python -m infer.insertion --report OUT/report.json` prints the in
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-import tempfile
 
 from infer.args import ArgumentParser, path_arg
 from s2d_jax.errors import S2DError, cli_main
@@ -181,169 +179,22 @@ def _check_chains(args, targets, temps, kinds) -> dict:
     return chains
 
 
-@contextlib.contextmanager
-def hf_draft_dir(draft: str | None, target: str):
-    """The draft as a dir transformers loads: a draft pack is completed with the target's
-    shared weights into a temporary HF dir (removed afterwards)."""
-    from s2d_jax.io.checkpoint import unpack_draft
-    from s2d_jax.io.draft_pack import is_draft_pack
-    from s2d_jax.io.tokenizer import has_tokenizer
+def _options(args):
+    """The per-target flags as the library's BenchOptions (same names)."""
+    import dataclasses
 
-    if draft is None or not os.path.isdir(draft) or not is_draft_pack(draft):
-        yield draft
-        return
-    with tempfile.TemporaryDirectory(prefix="s2d-hf-draft-") as tmp:
-        out = os.path.join(tmp, "draft")
-        unpack_draft(draft, target, out, tokenizer_dir=target if os.path.isdir(target) and
-                     has_tokenizer(target) else None)
-        yield out
+    from s2d_jax.bench.target_bench import BenchOptions
+    same = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchOptions)}
+    return BenchOptions(**{**same, "s2d_setting": tuple(args.s2d_setting)})
 
 
-def bench_target(name, path, args, *, kinds, temps, questions, prompts, tok, draft, log,
-                 chains=(), turns=None):
-    import jax
-    from tqdm import tqdm
-
-    from s2d_jax.bench import runner as bench
-    from s2d_jax.bench import chains as bench_chain
-    from s2d_jax.decode.defaults import buffer_len, prompt_width
-    from s2d_jax.decode.serving_config import load_serving_config
-    from s2d_jax.io.checkpoint import load_model
-
-    cfg, params, _ = load_model(path, dtype=args.dtype)
-    if tok.vocab_size > cfg.vocab_size:
-        raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
-                       f"{cfg.vocab_size}; use the target's own tokenizer")
-    draft_cfg, draft_params, exits = draft or (None, None, ())
-    from infer.args import check_gamma
-    for what, c in ((f"target {name!r}", cfg), ("the draft", draft_cfg)):
-        if c is not None:
-            check_gamma(args.gamma, c.max_position_embeddings, what)
-    self_exit = args.self_exit or (min(max(exits), cfg.num_layers - 1) if exits
-                                   else cfg.num_layers // 4)
-    if self_exit < 1 or self_exit >= cfg.num_layers:
-        self_exit = None
-    served = load_serving_config(path, min(c.max_position_embeddings for c in (cfg, draft_cfg)
-                                           if c is not None))
-    specs, notes = bench.method_specs(kinds, exits, self_exit, args.gamma, served)
-    specs += [bench.parse_s2d_setting(t, exits) for t in args.s2d_setting]
-    notes = [f"{name}: {n}" for n in notes]
-    chain_specs, mids, baseline = [], {}, None
-    if chains:
-        baseline = bench_chain.pick_baseline(specs)
-        for c in chains:  # a chain at another gamma is compared with the baseline at it
-            base = bench_chain.chain_baseline(c, baseline)
-            if base.label not in {s.label for s in specs}:
-                specs.append(base)
-        for c in chains:
-            log(f"[{name}] loading chain intermediate {c.describe}")
-            mids[c.label] = bench_chain.load_intermediate(c, cfg, params, dtype=args.dtype,
-                                                          quant_group=args.quant_group)
-            chain_specs.append(bench_chain.chain_method_spec(c, baseline))
-    width = prompt_width(turns.longest)
-    # the longest block a round verifies: gamma, or gamma + mu for a chain
-    g_max = max([s.gamma for s in specs] + [1]
-                + [bench_chain.chain_baseline(c, baseline).gamma
-                   + bench_chain.chain_mu(c, baseline) for c in chains])
-    context = min([cfg.max_position_embeddings]
-                  + ([draft_cfg.max_position_embeddings] if draft_cfg else [])
-                  + [m[0].max_position_embeddings for m in mids.values()])
-    if width + g_max + 2 > context:
-        later = " with room for a later turn's earlier answers" if turns.multi_turn else ""
-        raise S2DError(f"the longest prompt ({width} tokens padded{later}) does not fit the "
-                       f"context of {context}; use --max-prompts / --categories with shorter "
-                       f"prompts" + (" or lower --max-new-tokens" if later else ""))
-    max_len = buffer_len(width, args.max_new_tokens, g_max + 1, context)
-    decoders = bench.build_decoders(specs, cfg, params, draft_cfg, draft_params,
-                                    prompt_width=width, tokenizer=tok)
-    for c in chains:
-        decoders[c.label] = bench_chain.build_chain_decoder(
-            c, mids[c.label], baseline, cfg, params, draft_cfg, draft_params,
-            prompt_width=width, tokenizer=tok)
-    log(f"[{name}] {len(decoders)} methods x {len(prompts)} prompts x T={temps} "
-        f"(compiling {len(decoders)} generations first)")
-    eos = turns.eos_id
-    every = args.cost_every
-    log(f"[{name}] compiling the in-loop cost probes (sampled after "
-        f"{'every prompt' if every == 1 else f'every {every} prompts'})")
-    probes = bench.cost_probes(decoders, specs, prompts[0], temperatures=temps,
-                               max_len=max_len)
-    chain_probes = None
-    if chains:
-        chain_probes = bench_chain.ChainCostProbes(
-            list(chains), mids, baseline, cfg, params, draft_cfg, draft_params,
-            temperatures=temps, start=width, max_len=max_len)
-
-    done = [0]
-
-    def between():
-        done[0] += 1
-        if (done[0] - 1) % every:  # the first prompt always samples: costs exist
-            return
-        bench.sample_probes(probes)
-        if chain_probes is not None:
-            chain_probes.sample()
-
-    breakdown = {}
-
-    def after_warmup():
-        if args.step_breakdown and draft_cfg is not None:
-            from s2d_jax.bench.step_costs import draft_step_breakdown, format_breakdown
-            log(f"[{name}] timing the parts of a draft step (--step-breakdown)")
-            breakdown.update(draft_step_breakdown(
-                draft_cfg, draft_params, exits, target_cfg=cfg, target_params=params,
-                max_len=max_len, steps=min(32, max_len - 1), temperature=float(temps[0])))
-            log("\n".join([f"[{name}]"] + format_breakdown(breakdown)))
-    runs = bench.run_target(decoders, prompts, temperatures=temps,
-                            max_new_tokens=args.max_new_tokens, max_len=max_len, eos_id=eos,
-                            repeats=args.repeats,
-                            progress=lambda it: tqdm(it, desc=name, file=sys.stderr),
-                            between=between, next_turn=turns.next_prompt(width),
-                            after_warmup=after_warmup)
-    costs = _measured_costs(probes, name, log, notes)
-    cats = [questions[i]["task"] for i, _ in runs["items"]]  # Spec-Bench's tasks
-    results = bench.summarize_target(runs["runs"], cats, specs + chain_specs, costs)
-    from s2d_jax.bench.math_answers import math_accuracy
-    for t, per_method in runs["runs"].items():  # GSM8K final answers, where references exist
-        for label, rows in per_method.items():
-            acc = math_accuracy(questions, runs["items"], rows, tok.decode)
-            if acc is not None:
-                results[str(t)][label]["math_accuracy"] = acc
-    out = {"dir": os.path.abspath(path), "num_layers": cfg.num_layers,
-           "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
-           "self_exit": self_exit, "costs": costs, "compile_seconds": runs["compile_seconds"],
-           "results": results, "items": [list(x) for x in runs["items"]]}
-    if breakdown:
-        out["draft_step_breakdown"] = breakdown
-    if chains:
-        out["chains"] = bench_chain.bench_chains(
-            list(chains), mids, decoders, baseline, runs["runs"], results, chain_probes,
-            prompts=[r["prompt"] for r in runs["runs"][0.0]["ar"]], prompt_width=width,
-            max_len=max_len,
-            max_new_tokens=args.max_new_tokens, eos_id=eos, log=log)
-    return out, runs, notes
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
 
 
-def _measured_costs(probes, name: str, log, notes: list) -> dict | None:
-    """The in-loop round costs, or None (no predicted speedups, with a note) when the
-    machine was too noisy to time them: the measured runs stay valid and are reported."""
-    from s2d_jax.bench.runner import measure_costs
-
-    try:
-        return measure_costs(probes)
-    except S2DError as e:
-        note = (f"{name}: predicted speedups omitted, the round costs could not be timed "
-                f"({e})")
-        log(note)
-        notes.append(note)
-        return None
-
-
-@cli_main
-def main(argv=None):
-    args = parse_args(argv)
-    targets, temps, kinds, chains = _check_args(args)
-    from s2d_jax.bench import report as bench_report
+def _inputs(args, targets, temps, kinds) -> dict:
+    """What every target shares: questions, tokenizer, chat template, conversations,
+    prompts and the draft (cfg, params, exits); and the report's settings."""
     from s2d_jax.bench import runner as bench_runner
     from s2d_jax.data.prompts import read_questions, resolve_template
     from s2d_jax.decode.defaults import draft_exits
@@ -351,16 +202,11 @@ def main(argv=None):
 
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(args.questions, cats, args.max_prompts)
-
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
     tok = load_tokenizer(next(iter(targets.values())))
     template, note = resolve_template(tok, args.chat_template, fallback="none")
     if note:
         log(note)
     turns = bench_runner.Conversations(tok, template, questions, args.max_new_tokens)
-    prompts = turns.first_prompts
     draft = None
     if args.draft:
         from s2d_jax.io.checkpoint import load_draft
@@ -368,39 +214,58 @@ def main(argv=None):
         d_cfg, d_params, extra = load_draft(args.draft, next(iter(targets.values())),
                                             dtype=args.dtype)
         draft = (d_cfg, d_params, draft_exits(extra, d_cfg))
-    report = {"settings": {k: v for k, v in vars(args).items()}, "targets": {}, "notes": []}
-    report["settings"].update(prompts=len(prompts), temperatures=temps, methods=kinds,
-                              chat_template=template,
-                              turns=sum(len(q["turns"]) for q in questions))
+    settings = {**vars(args), "prompts": len(turns.first_prompts), "temperatures": temps,
+                "methods": kinds, "chat_template": template,
+                "turns": sum(len(q["turns"]) for q in questions)}
+    return dict(kinds=kinds, temps=temps, questions=questions, prompts=turns.first_prompts,
+                tok=tok, draft=draft, turns=turns, settings=settings)
+
+
+def _bench_all(args, targets, chains, shared) -> tuple[dict, dict]:
+    """(report, {target: runs}): every target benchmarked in turn."""
+    import gc
+
+    import jax
+    from s2d_jax.bench.target_bench import bench_target
+
+    settings = shared.pop("settings")
+    report = {"settings": settings, "targets": {}, "notes": []}
     all_runs = {}
     for name, path in targets.items():
-        tgt, runs, notes = bench_target(name, path, args, kinds=kinds, temps=temps,
-                                        questions=questions, prompts=prompts, tok=tok,
-                                        draft=draft, log=log, chains=chains.get(name, ()),
-                                        turns=turns)
+        tgt, runs, notes = bench_target(name, path, _options(args), log=log,
+                                        chains=chains.get(name, ()), **shared)
         report["targets"][name], all_runs[name] = tgt, runs
         report["notes"] += notes
         if args.hf_baseline:
-            from s2d_jax.bench.hf_baseline import hf_baselines
-            log(f"[{name}] HF transformers generate (plain, assisted)")
-            ar = runs["runs"].get(0.0, {}).get("ar")  # its turns' prompts: AR's conversation
-            with hf_draft_dir(args.draft, path) as hf_draft:
-                tgt["hf_baseline"] = hf_baselines(
-                    path, hf_draft, [r["prompt"] for r in ar] if ar else prompts,
-                    max_new_tokens=args.max_new_tokens, eos_id=turns.eos_id,
-                    ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+            tgt["hf_baseline"] = _hf_baseline(args, name, path, runs, shared)
         # Drop this target's executables: each holds JIT code pages, and a few hundred of
         # them (3 targets x methods x temperatures x cost probes) exhaust LLVM's section
         # memory ("Unable to allocate section memory") in one process.
-        import gc
-        import jax
         jax.clear_caches()
         gc.collect()
+    return report, all_runs
+
+
+def _hf_baseline(args, name, path, runs, shared) -> dict:
+    from s2d_jax.bench.hf_baseline import hf_baselines, hf_draft_dir
+
+    log(f"[{name}] HF transformers generate (plain, assisted)")
+    ar = runs["runs"].get(0.0, {}).get("ar")  # its turns' prompts: AR's conversation
+    with hf_draft_dir(args.draft, path) as hf_draft:
+        return hf_baselines(path, hf_draft,
+                            [r["prompt"] for r in ar] if ar else shared["prompts"],
+                            max_new_tokens=args.max_new_tokens, eos_id=shared["turns"].eos_id,
+                            ar_token_ids=[r["token_ids"] for r in ar] if ar else None)
+
+
+def _write(out: str, report: dict, all_runs: dict, questions, tok) -> str:
+    """The answer files, report.json and report.md -> the markdown table."""
+    from s2d_jax.bench import report as bench_report
+
     report["acceptance"] = bench_report.acceptance_checks(report)
     report["notes"].append("tokens/s and speedups exclude compilation (compile_seconds); "
                            "answer files' accept_lengths repeat each prompt's mean accepted "
                            "length per round (per-round counts are not recorded)")
-    out = args.out
     for name, runs in all_runs.items():
         for t, per_method in runs["runs"].items():
             for label, rows in per_method.items():
@@ -412,8 +277,19 @@ def main(argv=None):
     table = bench_report.markdown_table(report)
     bench_report.write_atomic(os.path.join(out, "report.json"), json.dumps(report, indent=2))
     bench_report.write_atomic(os.path.join(out, "report.md"), table)
-    print(table)
-    if not bench_report.plot(report, os.path.join(out, "speedup.png")):
+    return table
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    targets, temps, kinds, chains = _check_args(args)
+    from s2d_jax.bench import report as bench_report
+
+    shared = _inputs(args, targets, temps, kinds)
+    report, all_runs = _bench_all(args, targets, chains, shared)
+    print(_write(args.out, report, all_runs, shared["questions"], shared["tok"]))
+    if not bench_report.plot(report, os.path.join(args.out, "speedup.png")):
         print(f"speedup.png skipped: matplotlib is not installed "
               f"({bench_report.PLOT_EXTRA})", file=sys.stderr)
     return 0

@@ -129,11 +129,27 @@ def main(argv=None) -> int:
 
     try:
         cfg = _convert(args, tokenizer_dir)
+        _carry_serving_config(args)
     except OSError as e:  # disk full, permissions: still one line, nothing left at --out
         raise S2DError(f"{e.strerror or e} ({e.filename or args.out})")
     print(f"wrote {args.out}: {cfg.num_layers} layers, {cfg.num_params() / 1e6:.1f}M params, "
           f"{cfg.param_dtype}", file=sys.stderr)
     return 0
+
+
+def _carry_serving_config(args) -> None:
+    """A whole model converted keeps its calibrated S2D setting (s2d_serving.json; beside a
+    .gguf, FILE.gguf.s2d_serving.json): the same weights in another format must decode with
+    the same setting (serving_config.resolve), not silently fall back to the defaults."""
+    from s2d_jax.decode.serving_config import serving_config_path
+    from s2d_jax.io.atomic import write_atomic
+
+    src = serving_config_path(args.src)
+    if (args.command.endswith("pack-draft") or getattr(args, "num_layers", None) is not None
+            or not os.path.isfile(src)):
+        return
+    with open(src) as f:
+        write_atomic(serving_config_path(args.out), f.read())
 
 
 def _convert(args, tokenizer_dir):

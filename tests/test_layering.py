@@ -301,3 +301,63 @@ def test_cycle_checker_finds_a_planted_cycle(tmp_path, files, expect):
     assert import_cycles(root) == []  # downward, lazy and package imports alone: no circle
     _tree(tmp_path, files)
     assert import_cycles(root) == expect
+# --- commands (infer/, train/) call the library, not each other ----------------------------
+
+COMMANDS = ("infer", "train")
+SHARED_COMMAND_MODULES = {"infer.args"}  # argument helpers every command shares
+# Imports being removed on other branches right now; the lead empties this after merging
+# them (an entry no longer found fails test_known_command_imports_are_still_there).
+KNOWN = {("train/smollm2_draft.py", "infer.agreement"), ("infer/aot.py", "train.aot"),
+         ("infer/device_check.py", "infer.bench")}
+
+
+def command_imports(root: pathlib.Path) -> list[tuple[str, int, str]]:
+    """(file, line, module) of every import of another command module by a command file
+    (infer/*.py, train/*.py; infer.args excepted), including imports inside functions."""
+    found = []
+    for folder in COMMANDS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root)
+            own = ".".join(rel.with_suffix("").parts)
+            tree = ast.parse(path.read_text(), filename=str(rel))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    # `from infer import bench` imports the module infer.bench
+                    names = ([f"{node.module}.{a.name}" for a in node.names]
+                             if node.module in COMMANDS else [node.module])
+                else:  # a relative import stays inside its own command folder
+                    names = [f"{folder}.<relative>"] if isinstance(node, ast.ImportFrom) else []
+                for name in names:
+                    if (name.split(".")[0] in COMMANDS and name != own
+                            and name not in SHARED_COMMAND_MODULES):
+                        found.append((rel.as_posix(), node.lineno, name))
+    return found
+
+
+def test_commands_do_not_import_each_other():
+    """A command parses arguments, calls the library and prints: logic another command
+    needs belongs in s2d_jax (not a command's main(argv) whose report is read back)."""
+    problems = [f"{rel}:{line}: imports {name} (move what it needs into s2d_jax)"
+                for rel, line, name in command_imports(ROOT) if (rel, name) not in KNOWN]
+    assert not problems, "\n".join(problems)
+
+
+def test_known_command_imports_are_still_there():
+    """KNOWN lists only imports that still exist: once fixed, the entry must go."""
+    found = {(rel, name) for rel, _, name in command_imports(ROOT)}
+    assert KNOWN <= found, f"fixed, remove from KNOWN: {sorted(KNOWN - found)}"
+
+
+@pytest.mark.parametrize("rel, text, expect", [
+    ("infer/bad.py", "def f():\n    from infer import calibrate\n", "infer.calibrate"),
+    ("train/bad.py", "import infer.bench\n", "infer.bench"),
+    ("infer/bad.py", "from train.soft import main\n", "train.soft"),
+])
+def test_command_import_checker_names_each_violation(tmp_path, rel, text, expect):
+    root = _tree(tmp_path, {"infer/ok.py": "from infer.args import path_arg\nimport s2d_jax\n",
+                            "train/ok.py": "from infer import args\n"})
+    assert command_imports(root) == []  # the shared argument helpers and the library pass
+    _tree(tmp_path, {rel: text})
+    assert [(r, name) for r, _, name in command_imports(root)] == [(rel, expect)]

@@ -3,6 +3,7 @@ pack's copy of the calibrated setting, bad flags."""
 
 import json
 import os
+import shlex
 
 from infer import agreement
 from tiny_models import cli_error
@@ -34,17 +35,23 @@ def test_choose_exits_keeps_the_measurably_better_prefix(tmp_path, monkeypatch, 
 
 def test_the_pack_keeps_the_setting_with_repository_paths_and_its_command(tmp_path):
     target = tmp_path / "target"
-    target.mkdir()
     record = {"draft": "../../x/models/smollm2-draft", "exits": [2], "thresholds": [0.0],
               "gamma": 1, "calibrated_on": {"questions": "../../x/data/q.jsonl", "prompts": 12}}
-    (target / "s2d_serving.json").write_text(json.dumps(record))
     out = json.loads(smollm2_draft.pack_serving_record(Args(target=str(target),
-                                                            out="models/smollm2-draft")))
+                                                            out="models/smollm2-draft"), record))
+    assert record["draft"] == "../../x/models/smollm2-draft"  # the target's copy unchanged
     assert out["draft"] == "models/smollm2-draft" and out["exits"] == [2]
     assert out["calibrated_on"]["questions"] == smollm2_draft.CALIBRATION_PROMPTS
     command = out["calibrated_on"]["command"]
     assert command.startswith("python -m infer.calibrate --target smollm2=")
     assert "--draft models/smollm2-draft" in command and str(target) in command
+    # the command's flags are the calibration's settings, as infer.calibrate parses them
+    from infer.calibrate import _validate, options, parse_args
+    from s2d_jax.bench.calibration import CalibrateOptions
+    cli = parse_args(shlex.split(command)[3:])
+    assert options(cli, *_validate(cli)) == CalibrateOptions(
+        draft="models/smollm2-draft", questions=smollm2_draft.CALIBRATION_PROMPTS,
+        **smollm2_draft.CALIBRATION)
 
 
 def test_a_bad_exit_choice_is_one_error_line(tmp_path, capsys):

@@ -186,35 +186,49 @@ def pack(args, draft_hf: str, log) -> None:
     log(f"[pack] wrote {args.out}: the first {cfg.num_layers} layers, exits {kept}")
 
 
-def calibration_argv(args) -> list[str]:
-    return ["--target", f"smollm2={args.target}", "--draft", args.out,
-            "--questions", CALIBRATION_PROMPTS, "--max-prompts", "12",
-            "--max-new-tokens", "64", "--gammas", "1,2", "--repeats", "1",
-            "--cost-samples", "2", "--probe-rounds", "12", "--cost-every", "3",
-            "--check", "2", "--finalists", "3", "--stops", ""]
+# the calibration's settings (python -m infer.calibrate's flags of the same names)
+CALIBRATION = dict(max_prompts=12, max_new_tokens=64, gammas=(1, 2), repeats=1,
+                   cost_samples=2, probe_rounds=12, cost_every=3, check=2, finalists=3,
+                   stops=())
 
 
-def pack_serving_record(args) -> str:
+def calibration_command(args) -> str:
+    """The python -m infer.calibrate command that reruns this calibration."""
+    argv = ["--target", f"smollm2={args.target}", "--draft", args.out,
+            "--questions", CALIBRATION_PROMPTS]
+    for key, value in CALIBRATION.items():
+        argv += [f"--{key.replace('_', '-')}",
+                 ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    return "python -m infer.calibrate " + shlex.join(argv)
+
+
+def pack_serving_record(args, record: dict) -> str:
     """The target's calibrated setting as the pack keeps it (python -m infer.fetch_smollm2
     installs it): paths as the repository names them (the target's own copy has them
     relative to the target dir) and the command that made it."""
-    from s2d_jax.decode.serving_config import SERVING_CONFIG
-    with open(os.path.join(args.target, SERVING_CONFIG)) as f:
-        record = json.load(f)
-    command = "python -m infer.calibrate " + shlex.join(calibration_argv(args))
+    record = json.loads(json.dumps(record))  # a copy: the target's record stays as it is
     record["draft"] = args.out
-    record["calibrated_on"].update(questions=CALIBRATION_PROMPTS, command=command.replace(
-        os.path.expanduser("~"), "$HOME"))
+    record["calibrated_on"].update(questions=CALIBRATION_PROMPTS, command=calibration_command(
+        args).replace(os.path.expanduser("~"), "$HOME"))
     return json.dumps(record, indent=2) + "\n"
 
 
 def calibrate(args, log) -> None:
-    from infer import calibrate as calibrate_cli
-    calibrate_cli.main(calibration_argv(args))
-    # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
-    from s2d_jax.decode.serving_config import SERVING_CONFIG
+    from s2d_jax.bench.calibration import CalibrateOptions
+    from s2d_jax.bench.calibration_search import calibrate_target
+    from s2d_jax.decode.serving_config import SERVING_CONFIG, write_serving_config
     from s2d_jax.io.atomic import write_atomic
-    write_atomic(os.path.join(args.out, SERVING_CONFIG), pack_serving_record(args))
+
+    opts = CalibrateOptions(draft=args.out, questions=CALIBRATION_PROMPTS, **CALIBRATION)
+    result = calibrate_target(opts, "smollm2", args.target, log=log)
+    best = result.best
+    log(f"[calibrate] exits {best['exits']} thresholds {best['thresholds']} gamma "
+        f"{best['gamma']}: {best['measured_speedup']:.2f}x vs AR, "
+        f"{result.gain_over_paper:.2f}x the speedup of 0.5/.../0")
+    log(f"[calibrate] {write_serving_config(args.target, result.record)}")
+    # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
+    write_atomic(os.path.join(args.out, SERVING_CONFIG),
+                 pack_serving_record(args, result.record))
     log(f"[calibrate] {args.out}/{SERVING_CONFIG}")
 
 

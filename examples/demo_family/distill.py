@@ -83,7 +83,8 @@ def compare_drafts(target_dirs: dict[str, str], draft_dirs: dict[str, str],
                    prompts: list[str], *, max_new_tokens: int = 64, gamma: int = 4) -> dict:
     """{draft name: {target name: MAT of greedy S2D (0.5/0.5/0), "mean": mean over
     targets}}, one prompt at a time (batch 1, as the benchmark)."""
-    from s2d_jax.bench.runner import PaddedDecoder, paper_thresholds
+    from s2d_jax.bench.runner import PaddedDecoder
+    from s2d_jax.decode.serving_config import paper_thresholds
     from s2d_jax.decode.defaults import draft_exits, prompt_width, tokenizer_eos_id
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer

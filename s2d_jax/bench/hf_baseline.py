@@ -5,7 +5,10 @@ torch is an optional extra (TORCH_EXTRA); `require_torch` checks for it up front
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import tempfile
 import time
 
 from s2d_jax.errors import S2DError
@@ -106,3 +109,21 @@ def hf_baselines(target_dir: str, draft_dir: str | None, prompts: list[list[int]
                 a == b for a, b in zip(res["token_ids"], ar_token_ids)) / len(ar_token_ids)
         del res["token_ids"]
     return out
+
+
+@contextlib.contextmanager
+def hf_draft_dir(draft: str | None, target: str):
+    """The draft as a dir transformers loads: a draft pack is completed with the target's
+    shared weights into a temporary HF dir (removed afterwards)."""
+    from s2d_jax.io.checkpoint import unpack_draft
+    from s2d_jax.io.draft_pack import is_draft_pack
+    from s2d_jax.io.tokenizer import has_tokenizer
+
+    if draft is None or not os.path.isdir(draft) or not is_draft_pack(draft):
+        yield draft
+        return
+    with tempfile.TemporaryDirectory(prefix="s2d-hf-draft-") as tmp:
+        out = os.path.join(tmp, "draft")
+        unpack_draft(draft, target, out, tokenizer_dir=target if os.path.isdir(target) and
+                     has_tokenizer(target) else None)
+        yield out

@@ -23,8 +23,8 @@ from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
 from s2d_jax.decode.defaults import round_up
 from s2d_jax.decode.serving import Decoder
+from s2d_jax.decode.serving_config import resolve
 
-PAPER_THRESHOLD = 0.5
 METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal")
 
 
@@ -38,13 +38,12 @@ class MethodSpec:
     stop: float = 0.0  # dynamic draft length: stop drafting below this confidence (0 = off)
 
 
-def paper_thresholds(num_exits: int) -> list[float]:
-    return [PAPER_THRESHOLD] * (num_exits - 1) + [0.0]
-
-
 def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: int | None,
-                 gamma: int, calibrated: dict | None) -> tuple[list[MethodSpec], list[str]]:
-    """Expand method kinds into concrete runs -> (specs, notes about skipped ones)."""
+                 gamma: int, calibrated: dict | None,
+                 target: str = "the target") -> tuple[list[MethodSpec], list[str]]:
+    """Expand method kinds into concrete runs -> (specs, notes about skipped ones). Each
+    setting is serving_config.resolve's (s2d-cal: the calibrated one, `calibrated` being
+    the target's load_serving_config)."""
     unknown = [k for k in kinds if k not in METHOD_KINDS]
     if unknown:
         raise S2DError(f"unknown method {unknown[0]!r}; use some of {', '.join(METHOD_KINDS)}")
@@ -54,30 +53,30 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
         if kind == "ar":
             specs.append(MethodSpec("ar", "ar", gamma=0))
         elif kind == "sd":
-            specs += [MethodSpec(f"sd@{e}", "sd", (e,), (0.0,), gamma) for e in exits]
+            specs += [_spec(f"sd@{e}", resolve("sd", exits, exit=e, gamma=gamma)) for e in exits]
         elif kind == "self":
             if self_exit is None:
                 notes.append("self skipped: the target is too shallow for an early exit")
             else:
-                specs.append(MethodSpec(f"self@{self_exit}", "self", (self_exit,), (0.0,), gamma))
+                specs.append(_spec(f"self@{self_exit}",
+                                   resolve("self", exit=self_exit, gamma=gamma)))
         elif kind == "s2d":
-            specs.append(MethodSpec("s2d-0.5", "s2d", exits,
-                                    tuple(paper_thresholds(len(exits))), gamma))
+            specs.append(_spec("s2d-0.5", resolve("s2d", exits, gamma=gamma)))
         elif calibrated is None:
             notes.append("s2d-cal skipped: no s2d_serving.json in the target dir "
                          "(run python -m infer.calibrate)")
         else:
-            th = tuple(float(t) for t in calibrated["thresholds"])
-            cal_exits = tuple(int(e) for e in calibrated.get("exits") or exits)
-            if len(th) != len(cal_exits) or not set(cal_exits) <= set(exits):
-                notes.append(f"s2d-cal skipped: s2d_serving.json (exits {list(cal_exits)}, "
-                             f"{len(th)} thresholds) does not fit the draft's exits "
-                             f"{list(exits)}; recalibrate for this draft")
+            setting = resolve("s2d", exits, calibrated, target=target)
+            if setting.calibrated:
+                specs.append(_spec("s2d-cal", setting))
             else:
-                specs.append(MethodSpec("s2d-cal", "s2d", cal_exits, th,
-                                        int(calibrated.get("gamma", gamma)),
-                                        float(calibrated.get("stop_threshold", 0.0))))
+                notes.append(f"s2d-cal skipped: {setting.note.removeprefix('note: ')}")
     return specs, notes
+
+
+def _spec(label: str, setting) -> MethodSpec:
+    return MethodSpec(label, setting.method, setting.exits, setting.thresholds, setting.gamma,
+                      setting.stop_threshold)
 
 
 def parse_s2d_setting(text: str, draft_exits: Sequence[int] | None = None) -> MethodSpec:
@@ -239,16 +238,23 @@ def run_target(decoders: dict, prompts: list[list[int]], *, temperatures: Sequen
                     prompt = next_turn(i, answers) if next_turn is not None else None
         if between is not None:
             between()
+    items, runs = _turn_results(outs, secs, pre, labels, temperatures)
+    return {"runs": runs, "items": items, "compile_seconds": compile_s}
+
+
+def _turn_results(outs: dict, secs: dict, pre: dict, labels, temperatures) -> tuple:
+    """(items, {T: {label: [per-turn result]}}) from the runs keyed (T, label, question,
+    turn): the median seconds over repeats, the last repeat's tokens and stats."""
     # every (T, method) ran the same turns: a question's turn count is the file's
     items = sorted({(i, j) for (_, _, i, j) in outs})
-    runs = {float(t): {label: [{"token_ids": outs[(float(t), label, i, j)]["token_ids"],
-                                "prompt": outs[(float(t), label, i, j)]["prompt"],
-                                "seconds": statistics.median(secs[(float(t), label, i, j)]),
-                                "prefill_seconds": _median_or_none(
-                                    pre[(float(t), label, i, j)]),
-                                "stats": outs[(float(t), label, i, j)]["stats"]}
-                               for i, j in items] for label in labels} for t in temperatures}
-    return {"runs": runs, "items": items, "compile_seconds": compile_s}
+
+    def result(key):
+        return {"token_ids": outs[key]["token_ids"], "prompt": outs[key]["prompt"],
+                "seconds": statistics.median(secs[key]),
+                "prefill_seconds": _median_or_none(pre[key]), "stats": outs[key]["stats"]}
+    runs = {float(t): {label: [result((float(t), label, i, j)) for i, j in items]
+                       for label in labels} for t in temperatures}
+    return items, runs
 
 
 def _median_or_none(values: list):

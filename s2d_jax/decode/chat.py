@@ -23,10 +23,11 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     `s2d_exits`), "sd" drafts with the draft cut at `exit` (default its depth), "self" with
     the target's first `exit` layers, "ar" not at all. gamma and thresholds default to the
     calibrated setting when it matches the exits, else gamma 4 and 0.5 per exit (0 at the
-    last). notes: lines for the user (a calibrated setting measured slower than AR)."""
+    last): serving_config.resolve decides. notes: lines for the user (a calibrated setting
+    measured slower than AR, or not fitting the draft)."""
     from s2d_jax.decode.serving import Decoder
-    from s2d_jax.decode.serving_config import load_serving_config, slower_than_ar_note
-    from s2d_jax.decode.defaults import METHODS, draft_exits
+    from s2d_jax.decode.serving_config import target_setting
+    from s2d_jax.decode.defaults import METHODS
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import has_tokenizer, load_tokenizer
     from s2d_jax.readers import expand_path
@@ -40,35 +41,20 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     target = expand_path(target)
     cfg, params, _ = load_model(target, dtype=dtype)
     tok = load_tokenizer(target)
-    draft_cfg = draft_params = draft_tok = None
-    stop, notes = 0.0, []
+    draft_cfg = draft_params = draft_tok = extra = None
     if method in ("sd", "s2d"):
         from s2d_jax.io.checkpoint import load_draft
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
-        served = (load_serving_config(target, min(cfg.max_position_embeddings,
-                                                  draft_cfg.max_position_embeddings))
-                  if method == "s2d" else None)
-        if method == "sd":
-            exits = [exit or draft_cfg.num_layers]
-        elif exits is None:  # the calibrated exit subset, else all the draft's exits
-            exits = (list(served["exits"]) if served and served.get("exits")
-                     else list(draft_exits(extra, draft_cfg)))
-        if (served is not None and thresholds is None
-                and list(served.get("exits") or exits) == list(exits)):
-            thresholds, stop = served["thresholds"], served["stop_threshold"]
-            gamma = served["gamma"] if gamma is None else gamma
-            notes.append(slower_than_ar_note(served, target))
-    elif method == "self":
-        exits = [exit]
-    if exits is not None and thresholds is None:
-        thresholds = [0.5] * (len(exits) - 1) + [0.0]
+    setting = target_setting(method, target, cfg, draft_cfg, extra, exits=exits, exit=exit,
+                             thresholds=thresholds, gamma=gamma)
     decoder = Decoder(cfg, params, method=method, draft_cfg=draft_cfg,
-                      draft_params=draft_params, exits=exits,
-                      gamma=4 if gamma is None else gamma, thresholds=thresholds,
-                      target_tokenizer=tok, draft_tokenizer=draft_tok, stop_threshold=stop)
-    return decoder, tok, [n for n in notes if n]
+                      draft_params=draft_params, exits=setting.exits or None,
+                      gamma=setting.gamma, thresholds=setting.thresholds,
+                      target_tokenizer=tok, draft_tokenizer=draft_tok,
+                      stop_threshold=setting.stop_threshold)
+    return decoder, tok, [setting.note] if setting.note else []
 
 
 def as_messages(prompt) -> list[dict]:

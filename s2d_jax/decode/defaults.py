@@ -8,6 +8,7 @@ one compilation serve every prompt / budget that lands in the same bucket.
 from __future__ import annotations
 
 from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
 
 METHODS = ("ar", "sd", "self", "s2d")  # here, not in state.py: CLIs list them before JAX starts
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
@@ -18,6 +19,18 @@ def max_gamma(context: int) -> int:
     """The most draft tokens a round fits in `context` positions: after a prompt of >= 1
     token it needs gamma draft slots, one bonus slot and one verify slot."""
     return context - 3
+
+
+def check_gamma(gamma: int, context: int, model: str, flag: str = "--gamma",
+                source: str = "max_position_embeddings", given: bool = True) -> None:
+    """`gamma` draft tokens must fit the context (max_gamma; `source` says where
+    its length comes from; `given`: the user passed it, else it is the default)."""
+    if gamma > max_gamma(context):
+        what = f"{flag} {gamma}" if given else f"the default gamma {gamma}"
+        fix = (f"use {flag} <= {max_gamma(context)}" if max_gamma(context) >= 1 else
+               "it is too short to draft a token; use --method ar")
+        raise S2DError(f"{what} does not fit the context of {model} ({context} positions, "
+                       f"{source}); {fix}")
 
 
 def round_up(x: int, multiple: int) -> int:

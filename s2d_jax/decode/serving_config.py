@@ -1,5 +1,7 @@
-"""A target's calibrated S2D settings: DIR/s2d_serving.json (written by infer.calibrate,
-read by infer.generate and infer.bench).
+"""A target's decode setting: its calibrated S2D settings in DIR/s2d_serving.json (written
+by infer.calibrate) and `resolve`, the one place where exits, thresholds, gamma and the draft
+stop of a method are worked out from the draft, that file and the caller's overrides (for
+the API, infer.generate, infer.bench and the calibration alike).
 
 Schema: {"thresholds": [per exit, in [0, 1], the last usually 0], "gamma": >= 1,
 "stop_threshold": in [0, 1] (0 = always gamma draft tokens; optional), "exits": [layer
@@ -9,9 +11,11 @@ the draft dir, the measured and predicted speedups and what it was calibrated on
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
+from typing import Sequence
 
 from s2d_jax.decode.defaults import max_gamma
 from s2d_jax.errors import S2DError
@@ -19,6 +23,8 @@ from s2d_jax.io.atomic import write_atomic
 from s2d_jax.readers import read_text
 
 SERVING_CONFIG = "s2d_serving.json"
+DEFAULT_GAMMA = 4  # the paper's draft length, for a method without a calibrated one
+PAPER_THRESHOLD = 0.5  # the paper's confidence threshold at every exit but the last (0)
 
 
 def serving_config_path(target_dir: str) -> str:
@@ -75,10 +81,13 @@ def write_serving_config(target_dir: str, cfg: dict) -> str:
 
 def serving_record(target_dir: str, draft_dir: str, best: dict, paper: dict | None,
                    questions: str, num_prompts: int, max_new_tokens: int) -> dict:
-    """The serving config's content. Paths (informational) are relative to the target dir,
-    where the config lives, so a moved or cloned tree keeps them right."""
+    """The serving config's content. Paths (informational) are relative to the folder
+    where the config lives (the target dir, or a .gguf's folder), so a moved or cloned tree
+    keeps them right."""
+    home = os.path.dirname(os.path.abspath(serving_config_path(target_dir)))
+
     def rel(path):
-        return os.path.relpath(os.path.abspath(path), os.path.abspath(target_dir))
+        return os.path.relpath(os.path.abspath(path), home)
 
     return {"draft": rel(draft_dir), "exits": [int(e) for e in best["exits"]],
             "thresholds": best["thresholds"], "gamma": best["gamma"],
@@ -102,3 +111,99 @@ def slower_than_ar_note(cfg: dict, target: str) -> str | None:
     return (f"note: {target}'s calibrated S2D setting measured {measured:.2f}x of AR where "
             f"it was calibrated ({serving_config_path(target)}); --method ar may be faster "
             f"there")
+
+
+def paper_thresholds(num_exits: int) -> tuple[float, ...]:
+    """The paper's thresholds: 0.5 at every exit but the last, which always drafts (0)."""
+    return (PAPER_THRESHOLD,) * (num_exits - 1) + (0.0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSetting:
+    """A target's resolved decode setting. exits: () for ar; thresholds: one per exit (None
+    for ar); calibrated: thresholds, gamma and stop come from s2d_serving.json; note: a
+    line for the user (the calibration was not used, or it measured slower than AR)."""
+    method: str
+    exits: tuple[int, ...]
+    thresholds: tuple[float, ...] | None
+    gamma: int
+    stop_threshold: float
+    calibrated: bool = False
+    note: str | None = None
+
+
+def calibrated_exits(served: dict, draft_exits: Sequence[int]) -> tuple[int, ...]:
+    """The exits a serving config was calibrated for (its 'exits', else the draft's)."""
+    return tuple(int(e) for e in served.get("exits") or draft_exits)
+
+
+def calibration_fits(served: dict, draft_exits: Sequence[int]) -> bool:
+    """THE rule for whether a calibrated setting fits a draft: its exits are a subset of the
+    draft's exits, with one threshold per exit. A subset, not equality: calibration may
+    settle on fewer exits (SmolLM2's draft has exits 2 and 4 and is calibrated to exit 2
+    alone), and every exit of the subset is one the draft was trained to exit at; an exit
+    the draft lacks would draft from an untrained head, so such a file belongs to another
+    draft and is not used (a note says so)."""
+    exits = calibrated_exits(served, draft_exits)
+    return len(served["thresholds"]) == len(exits) and set(exits) <= set(draft_exits)
+
+
+def resolve(method: str, draft_exits: Sequence[int] = (), served: dict | None = None, *,
+            exits: Sequence[int] | None = None, exit: int | None = None,
+            thresholds: Sequence[float] | None = None, gamma: int | None = None,
+            stop_threshold: float | None = None, draft_layers: int | None = None,
+            target: str = "the target") -> DecodeSetting:
+    """The decode setting of `method` on a target: draft_exits are the draft's (`s2d_exits`,
+    defaults.draft_exits), draft_layers its depth (sd's default exit), served the target's
+    load_serving_config (used by s2d only), the keywords the caller's overrides (None: not
+    given), target its path (for notes). s2d: exits default to the calibrated ones when
+    the calibration fits the draft (calibration_fits), else the draft's (the exits default,
+    defined here once); thresholds, gamma and the stop are the calibrated ones when no
+    thresholds are given and the exits are the calibrated ones. Otherwise thresholds are
+    the paper's, gamma DEFAULT_GAMMA and the stop 0."""
+    note, use = None, None
+    if method == "ar":
+        exits = ()
+    elif method == "self":
+        exits = (int(exit),)
+    elif method == "sd":
+        exits = (int(exit or draft_layers),)
+    else:
+        if served is not None and not calibration_fits(served, draft_exits):
+            note = (f"note: {target}'s calibrated setting (exits "
+                    f"{list(calibrated_exits(served, draft_exits))}, "
+                    f"{len(served['thresholds'])} thresholds) does not fit the draft's exits "
+                    f"{list(draft_exits)} and is not used; recalibrate for this draft: "
+                    f"python -m infer.calibrate")
+            served = None
+        cal = calibrated_exits(served, draft_exits) if served is not None else None
+        exits = tuple(int(e) for e in (exits or cal or draft_exits))
+        if served is not None and thresholds is None and exits == cal:
+            use = served
+            note = slower_than_ar_note(served, target)
+    if thresholds is None and method != "ar":
+        thresholds = use["thresholds"] if use else paper_thresholds(len(exits))
+    if gamma is None:
+        gamma = use["gamma"] if use else DEFAULT_GAMMA
+    if stop_threshold is None:
+        stop_threshold = use["stop_threshold"] if use else 0.0
+    return DecodeSetting(method, exits, None if thresholds is None else
+                         tuple(float(t) for t in thresholds), int(gamma),
+                         float(stop_threshold), use is not None, note)
+
+
+def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_extra=None,
+                   **overrides) -> DecodeSetting:
+    """resolve() for a loaded target (its path, for its s2d_serving.json) and draft (its
+    config and extra settings, for its exits): what the API, infer.generate and infer.bench
+    decode a target with. The calibrated gamma must fit both models' context."""
+    from s2d_jax.decode.defaults import draft_exits
+
+    exits = draft_exits(draft_extra, draft_cfg) if draft_cfg is not None else ()
+    served = None
+    if method == "s2d":
+        served = load_serving_config(target, min(target_cfg.max_position_embeddings,
+                                                 draft_cfg.max_position_embeddings))
+    return resolve(method, exits, served, target=target,
+                   draft_layers=None if draft_cfg is None else draft_cfg.num_layers,
+                   **overrides)
