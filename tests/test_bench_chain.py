@@ -254,6 +254,7 @@ def test_level_counts_equal_the_engines_raw_counters():
     import jax.numpy as jnp
 
     from s2d_jax.decode import engine
+    from s2d_jax.decode.chain import Chain
     from s2d_jax.decode.state import DecodeParams, SpecConfig
     from s2d_jax.decode.serving import summarize
     from test_chain import other_model
@@ -268,8 +269,7 @@ def test_level_counts_equal_the_engines_raw_counters():
         arr[i, :len(p)] = p
     state = engine.generate(dparams, target_params(), jnp.asarray(arr),
                             jnp.asarray([len(p) for p in PROMPTS], jnp.int32), dp,
-                            jax.random.key(3), (mparams,), draft_cfg=dcfg, target_cfg=CFG,
-                            spec=spec, mid_cfgs=(mcfg,))
+                            jax.random.key(3), (mparams,), chain=Chain(dcfg, (mcfg,), CFG, spec))
     c = bench_chain.level_counts(summarize(state, 1.0, spec))
     s = jax.device_get(state)
     assert c["calls"] == s.stats.level_calls.sum(0).tolist()

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
 from test_chain import chain_decoder, other_model
@@ -88,8 +89,7 @@ def test_sampling_in_shrunk_rounds_matches_target_distribution(mus):
     lens = jnp.full((ROWS,), len(DIST_PROMPT), jnp.int32)
     mid = (dist_params(),) if mus else ()
     state = engine.generate(dist_params(), dist_params(), prompts, lens, dp, jax.random.key(3),
-                            mid, draft_cfg=dcfg, target_cfg=DIST_CFG, spec=spec,
-                            mid_cfgs=(DIST_CFG,) * len(mus))
+                            mid, chain=Chain(dcfg, (DIST_CFG,) * len(mus), DIST_CFG, spec))
     assert (np.asarray(state.length) == max_len).all()  # where AR stops: the full buffer
     toks = np.asarray(state.tokens[:, len(DIST_PROMPT):max_len])
     counts = np.zeros((DIST_CFG.vocab_size,) * 3, np.int64)

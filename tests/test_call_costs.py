@@ -19,13 +19,14 @@ from test_engine import CFG, draft, target_params
 
 def test_verify_loop_equals_the_calls_made_one_by_one():
     params, window, block, n, start, S = target_params(), 2, 3, 3, 10, 32
-    spec = call_costs.verify_spec(window, block, S)
+    chain = call_costs.verify_chain(CFG, window, block, S)
+    spec = chain.spec
     assert spec.num_levels - 1 == window  # level 1 of this chain feeds `window` tokens
     toks = (jnp.arange(S, dtype=jnp.int32)[None] * 5 + 1) % CFG.vocab_size
     q = jax.nn.softmax(jax.random.normal(jax.random.key(1), (1, block, CFG.vocab_size)), -1)
     dp, key = DecodeParams.make(spec, [0.0], temperature=1.0), jax.random.key(7)
     got = call_costs._verify_loop(params, init_cache(CFG, 1, S), toks, jnp.int32(start), q,
-                                  key, dp, jnp.int32(n), cfg=CFG, spec=spec)
+                                  key, dp, jnp.int32(n), chain=chain)
     # the same calls by hand: a forward over the window + block, the accept rule
     pos = (start - window + jnp.arange(window + block, dtype=jnp.int32))[None]
     cache, want = init_cache(CFG, 1, S), 0
@@ -40,7 +41,7 @@ def test_verify_loop_equals_the_calls_made_one_by_one():
         want += int(k[0]) + int(nxt[0])
     assert int(got) == want
     assert int(call_costs._verify_loop(params, init_cache(CFG, 1, S), toks, jnp.int32(start),
-                                       q, key, dp, jnp.int32(0), cfg=CFG, spec=spec)) == 0
+                                       q, key, dp, jnp.int32(0), chain=chain)) == 0
 
 
 def test_draft_loop_feeds_each_drafted_token_to_the_next_step():

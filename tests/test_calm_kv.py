@@ -14,6 +14,7 @@ import numpy as np
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import draft_token
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -109,7 +110,7 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
     dp = DecodeParams.make(spec, STOP_AT_FIRST, max_new_tokens=16)
     prompts = jnp.asarray([[5, 9, 2, 7, 11, 3], [4, 8, 1, 0, 0, 0]], jnp.int32)
     lens = jnp.asarray([6, 3], jnp.int32)
-    kw = dict(draft_cfg=CFG, target_cfg=TARGET, spec=spec)
+    kw = dict(chain=Chain(CFG, (), TARGET, spec))
     state = engine.prefill(p, tparams, prompts, lens, dp, jax.random.key(0), **kw)
     tokens0, L = np.asarray(state.tokens), np.asarray(state.length)
     state = engine.decode_chunk(state, p, tparams, dp, jnp.int32(1), **kw)
@@ -161,7 +162,7 @@ def test_fully_accepted_block_gets_calm_kv_at_its_last_draft_next_round():
     spec = SpecConfig(method="s2d", exits=EXITS, gamma=gamma, max_len=32)
     dp = DecodeParams.make(spec, STOP_AT_FIRST, max_new_tokens=16)
     prompts = jnp.asarray([[5, 9, 2, 7, 11, 3]], jnp.int32)
-    kw = dict(draft_cfg=CFG, target_cfg=tcfg, spec=spec)
+    kw = dict(chain=Chain(CFG, (), tcfg, spec))
     state = engine.prefill(p, one, prompts, jnp.asarray([6]), dp, jax.random.key(0), **kw)
     L0 = int(state.length[0])
     state = engine.decode_chunk(state, p, one, dp, jnp.int32(1), **kw)

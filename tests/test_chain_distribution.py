@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.model.quantize import quantize_params
 from test_engine_distribution import CFG, PROMPT, ROWS, chi_square_pooled, exact_joint, params
@@ -27,7 +28,7 @@ def test_three_level_chain_sampling_matches_target_distribution():
     prompts = jnp.asarray([PROMPT] * ROWS, jnp.int32)
     lens = jnp.full((ROWS,), len(PROMPT), jnp.int32)
     state = engine.generate(params(), params(), prompts, lens, dp, jax.random.key(11), (mid,),
-                            draft_cfg=dcfg, target_cfg=CFG, spec=spec, mid_cfgs=(CFG,))
+                            chain=Chain(dcfg, (CFG,), CFG, spec))
     assert (np.asarray(state.length) == len(PROMPT) + NEW).all()
     # Token 1 comes from the prefill; tokens 2 and 3 from chain rounds, so the joint checks
     # each round-made token's conditional distribution given all earlier ones.

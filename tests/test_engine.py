@@ -130,7 +130,7 @@ def test_traced_settings_do_not_recompile():
     dec = make_decoder("s2d", (1, 2, 3), 3)
     spec, prompts, lens = dec.prepare(PROMPTS, NEW)
     run = functools.partial(engine.generate, dec.draft_params, dec.target_params, prompts, lens,
-                            draft_cfg=dec.draft_cfg, target_cfg=CFG, spec=spec)
+                            chain=dec.chain_for(spec))
     jax.block_until_ready(run(DecodeParams.make(spec, [0.5] * 3), jax.random.key(0)))
     size = engine.generate._cache_size()
     for th, temp, top_p, top_k, new, programs in [([0.1, 0.2, 0.3], 0.0, 1.0, 0, 10, 0),

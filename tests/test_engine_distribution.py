@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -71,7 +72,7 @@ def test_s2d_sampling_matches_target_distribution(temperature, top_p):
     prompts = jnp.asarray([PROMPT] * ROWS, jnp.int32)
     lens = jnp.full((ROWS,), len(PROMPT), jnp.int32)
     state = engine.generate(params(), params(), prompts, lens, dp, jax.random.key(7),
-                            draft_cfg=dcfg, target_cfg=CFG, spec=spec)
+                            chain=Chain(dcfg, (), CFG, spec))
     toks = np.asarray(state.tokens[:, len(PROMPT):len(PROMPT) + NEW])
     assert (np.asarray(state.length) == len(PROMPT) + NEW).all()
     counts = np.zeros((V, V, V), np.int64)

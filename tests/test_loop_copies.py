@@ -9,6 +9,7 @@ import pytest
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.aot import abstract_params, loop_cache_traffic
 from s2d_jax.decode.hlo_copies import cache_traffic
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -35,8 +36,7 @@ def _traffic(spec, dtype, draft_layers=3, mid_layers=()):
         abstract_params(draft) if draft else None, abstract_params(target),
         shapes((BATCH, 16), jnp.int32), shapes((BATCH,), jnp.int32),
         jax.eval_shape(lambda: DecodeParams.make(spec)), jax.eval_shape(lambda: jax.random.key(0)),
-        tuple(abstract_params(m) for m in mids), draft_cfg=draft, target_cfg=target, spec=spec,
-        mid_cfgs=mids)
+        tuple(abstract_params(m) for m in mids), chain=Chain(draft, mids, target, spec))
     hlo = lowered.compile(FAST).as_text()
     return loop_cache_traffic(hlo, [target, draft, *mids], BATCH, CONTEXT)
 
@@ -110,11 +110,11 @@ def test_decode_chunks_donate_the_caches():
     target, draft = _cfg("float32"), _cfg("float32", 3)
     state = jax.eval_shape(lambda d, t: engine._prefill(
         d, t, jnp.zeros((BATCH, 16), jnp.int32), jnp.full((BATCH,), 16, jnp.int32),
-        DecodeParams.make(spec), jax.random.key(0), draft_cfg=draft, target_cfg=target,
-        spec=spec), abstract_params(draft), abstract_params(target))
+        DecodeParams.make(spec), jax.random.key(0), chain=Chain(draft, (), target, spec)),
+        abstract_params(draft), abstract_params(target))
     compiled = engine.decode_chunk.lower(
         state, abstract_params(draft), abstract_params(target),
-        jax.eval_shape(lambda: DecodeParams.make(spec)), jnp.int32(1), draft_cfg=draft,
-        target_cfg=target, spec=spec).compile(FAST)
+        jax.eval_shape(lambda: DecodeParams.make(spec)), jnp.int32(1),
+        chain=Chain(draft, (), target, spec)).compile(FAST)
     caches = sum(x.size * 4 for x in jax.tree.leaves((state.target_cache, state.draft_cache)))
     assert compiled.memory_analysis().alias_size_in_bytes >= caches

@@ -23,10 +23,8 @@ def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
     # The one-step program drafts exactly one token per round.
     dp = probe.dps[3]
     assert float(dp.stop_threshold) == ONE_STEP
-    kw = dict(draft_cfg=dec.draft_cfg, target_cfg=dec.target_cfg, spec=probe.spec,
-              mesh=None, mid_cfgs=())
     args = probe._prefill_args(dp)
-    state = engine.decode_chunk(probe.first(*args), *probe._loop_args(dp, 4), **kw)
+    state = engine.decode_chunk(probe.first(*args), *probe._loop_args(dp, 4), chain=probe.chain)
     state = jax.device_get(state)
     assert int(state.round) == 4 and state.stats.proposed_at[0].tolist() == [4, 0, 0]
     plain = LoopProbe(make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3), [5, 6, 7],

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.model import transformer as model
 from s2d_jax.decode.aot import param_gathers, serving_report
 from s2d_jax.model.transformer import param_shardings
@@ -35,7 +36,7 @@ PROMPTS = np.array([[3, 4, 5, 6, 7, 0, 0, 0], [9, 10, 0, 0, 0, 0, 0, 0],
 LENS = np.array([5, 2, 3, 1], np.int32)
 # Cheap LLVM settings: both sides of every comparison are compiled with them.
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-KW = dict(draft_cfg=DCFG, target_cfg=CFG, spec=SPEC)
+KW = dict(chain=Chain(DCFG, (), CFG, SPEC))
 
 
 # numpy arrays (placed with explicit shardings later); large weights make decisive logits
@@ -81,7 +82,7 @@ def test_sharded_s2d_gives_the_unsharded_tokens(mesh_flag):
     draft = jax.device_put(host_draft, param_shardings(DCFG, mesh))
     dps = decode_settings()
     programs = {name: engine.generate.lower(draft, target, PROMPTS, LENS, dp, jax.random.key(7),
-                                            mesh=mesh, **KW).compile(FAST)
+                                            chain=Chain(DCFG, (), CFG, SPEC, mesh)).compile(FAST)
                 for name, dp in dps.items()}
     compiled = programs["greedy"]
     for name, dp in dps.items():

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import draft_token, with_exit_segments
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -114,7 +115,7 @@ def test_sub_vocabulary_draft_sampling_matches_target_distribution(temperature, 
     lens = jnp.full((dist.ROWS,), len(dist.PROMPT), jnp.int32)
     draft = {**dist.params(), "head_ids": jnp.asarray(HEAD)}
     state = engine.generate(draft, dist.params(), prompts, lens, dp, jax.random.key(11),
-                            draft_cfg=dcfg, target_cfg=dist.CFG, spec=spec)
+                            chain=Chain(dcfg, (), dist.CFG, spec))
     toks = np.asarray(state.tokens[:, len(dist.PROMPT):len(dist.PROMPT) + dist.NEW])
     counts = np.zeros((dist.V,) * 3, np.int64)
     np.add.at(counts, (toks[:, 0], toks[:, 1], toks[:, 2]), 1)

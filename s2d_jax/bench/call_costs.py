@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.bench.loop_costs import forced_exit_thresholds
-from s2d_jax.decode.round import Block, RoundCtx, verify
+from s2d_jax.decode.chain import Chain
+from s2d_jax.decode.round import Proposal, RoundCtx, verify
 from s2d_jax.decode.drafting import draft_token, with_exit_segments
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams, RoundStats, SpecConfig
@@ -35,33 +36,35 @@ from s2d_jax.model.kvcache import init_cache
 CALLS = 24  # calls per timed loop: long enough to dwarf the dispatch, short for the probes
 
 
-def verify_spec(window: int, block: int, max_len: int) -> SpecConfig:
-    """A chain whose level 1 feeds a catch-up window of `window` tokens before a block of
-    `block`: round.verify then makes exactly the call a level with that window
-    makes in the engine (the target of a two-level round: window 1; the intermediate of a
-    3-level chain: window 2)."""
-    return SpecConfig(method="s2d", exits=(1,), gamma=max(block, 1), max_len=max_len,
+def verify_chain(cfg, window: int, block: int, max_len: int) -> Chain:
+    """A chain of `cfg` at every level whose level 1 feeds a catch-up window of `window`
+    tokens before a block of `block`: round.verify then makes exactly the call a level
+    with that window makes in the engine (the target of a two-level round: window 1; the
+    intermediate of a 3-level chain: window 2)."""
+    spec = SpecConfig(method="s2d", exits=(1,), gamma=max(block, 1), max_len=max_len,
                       mus=(1,) * (window - 1))
+    return Chain(cfg, (cfg,) * (window - 1), cfg, spec)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _verify_loop(params, cache, toks, start, q, key, dp, n, *, cfg, spec):
+@functools.partial(jax.jit, static_argnames=("chain",))
+def _verify_loop(params, cache, toks, start, q, key, dp, n, *, chain):
     """n calls of the engine's round.verify (level 1 of `spec`: a forward over the
     window + block, the distributions, the accept rule) on the block at toks[start:];
     each call depends on the cache the last one wrote."""
     B, M = q.shape[:2]
+    spec = chain.spec
     L = spec.num_levels
     zeros = functools.partial(jnp.zeros, dtype=jnp.int32)
     ctx = RoundCtx(work=toks, end=jnp.full((B,), start, jnp.int32),
                    caches=(None, cache) + (None,) * (L - 2), key=key, calls=zeros((L,)),
                    stats=RoundStats.zeros(B, spec))
-    block = Block(q, jnp.full((B,), M, jnp.int32), zeros((B, M)))
+    block = Proposal(q, jnp.full((B,), M, jnp.int32), zeros((B, M)))
     rows = jnp.ones((B,), bool)
 
     def body(i, carry):
         ctx, acc = carry
         ctx, v = verify(ctx.replace(key=jax.random.fold_in(key, i)), 1, block, rows, params,
-                        dp, cfg=cfg, spec=spec)
+                        dp, chain)
         return ctx, acc + v.accepted[0] + v.next_token[0]
 
     return jax.lax.fori_loop(0, n, body, (ctx, jnp.int32(0)))[1]
@@ -116,13 +119,13 @@ def verify_probe(params, cfg, *, window: int, block: int, start: int, max_len: i
     of `window` tokens (block 0, window 1: one autoregressive step), on a cache of the
     benchmark's length (attention covers the whole buffer, so only the shapes and greedy
     vs sampling, a different program, matter; not the token values)."""
-    spec = verify_spec(window, block, max_len)
+    chain = verify_chain(cfg, window, block, max_len)
     start = max(window, min(start, max_len - block - 1))
     q = jnp.full((1, block, cfg.vocab_size), 1.0 / cfg.vocab_size, jnp.float32)
-    dp = DecodeParams.make(spec, [0.0], temperature=temperature)
+    dp = DecodeParams.make(chain.spec, [0.0], temperature=temperature)
     args = (params, init_cache(cfg, 1, max_len), jnp.ones((1, max_len), jnp.int32),
             jnp.int32(start), q, jax.random.key(0), dp)
-    return CallProbe(functools.partial(_verify_loop, cfg=cfg, spec=spec), args, calls)
+    return CallProbe(functools.partial(_verify_loop, chain=chain), args, calls)
 
 
 def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,

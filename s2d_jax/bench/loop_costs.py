@@ -74,30 +74,25 @@ class LoopProbe:
         self.rounds = rounds
         new = max_len - width - 1  # no row runs out of budget before the buffer
         spec, self.arr, self.lens = decoder.prepare([prompt], new, max_len)
-        self.spec = spec
-        kw = dict(draft_cfg=decoder.draft_cfg, target_cfg=decoder.target_cfg, spec=spec,
-                  mesh=decoder.mesh, mid_cfgs=decoder.mid_cfgs)
+        self.spec, self.chain = spec, decoder.chain_for(spec)
         stops = [0.0] + ([ONE_STEP] if decoder.stop_threshold > 0 else [])
         self.dps = [decoder.decode_params(
             spec, forced_exit_thresholds(spec.num_exits, j) if spec.num_exits else None,
             temperature=temperature, max_new_tokens=new, eos_id=-1, stop_threshold=stop)
             for stop in stops for j in range(max(spec.num_exits, 1))]
         args = self._prefill_args(self.dps[0])
-        self.first = engine.prefill.lower(*args, **kw).compile()
+        self.first = engine.prefill.lower(*args, chain=self.chain).compile()
         state_shape = jax.eval_shape(lambda: self.first(*args))
         self.chunk = engine.decode_chunk.lower(state_shape, *self._loop_args(self.dps[0], rounds),
-                                               **kw).compile()
+                                               chain=self.chain).compile()
         self.prefill_s = []
         self.times = [{0: [], rounds: []} for _ in self.dps]
 
     def _prefill_args(self, dp):
-        d = self.decoder
-        return (d.draft_params, d.target_params, self.arr, self.lens, dp, jax.random.key(0),
-                d.mid_params)
+        return self.decoder.prefill_args(self.arr, self.lens, dp, seed=0)
 
     def _loop_args(self, dp, k):
-        d = self.decoder
-        return (d.draft_params, d.target_params, dp, jnp.int32(k), d.mid_params)
+        return self.decoder.loop_args(dp, k)
 
     def reset(self) -> None:
         """Drop the samples taken so far (to time the probe afresh beside other runs)."""

@@ -32,6 +32,7 @@ from s2d_jax.decode.drafting import fill_skipped_kv, with_exit_segments
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
 from s2d_jax.errors import S2DError
 from s2d_jax.model import transformer as model
+from s2d_jax.model.exits import exits_problem
 from s2d_jax.model.kvcache import init_cache
 
 SHARED_ITEMS = ("head", "full_head", "confidence", "draw")  # the same cost at every exit
@@ -185,11 +186,11 @@ def draft_step_breakdown(draft_cfg: ModelConfig, draft_params: dict, exits, *,
     medians), each with "_x"; plus the settings}. An item timed at <= 0 was below the
     machine's noise (raise steps or samples); only the unit must be measurable.
     """
-    exits = tuple(int(e) for e in exits)
-    if not exits or list(exits) != sorted(set(exits)) or exits[0] < 1 \
-            or exits[-1] > draft_cfg.num_layers:
+    problem = exits_problem(exits, draft_cfg.num_layers)
+    if problem:
         raise S2DError(f"exits {list(exits)} must increase within the draft's "
-                       f"{draft_cfg.num_layers} layers")
+                       f"{draft_cfg.num_layers} layers: {problem}")
+    exits = tuple(int(e) for e in exits)
     for flag, v in (("batch", batch), ("samples", samples), ("steps", steps)):
         if v < 1:
             raise S2DError(f"the step breakdown's {flag} must be >= 1, got {v}")

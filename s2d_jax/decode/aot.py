@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.transformer import param_shardings
@@ -84,12 +85,11 @@ class GenerateSetup:
             raise S2DError(f"prompt length {prompt_len} must lie in 1..{context - 1} "
                            f"for context {context}")
         spec = SpecConfig(method=method, exits=tuple(exits), gamma=gamma, max_len=context)
-        if draft_cfg is not None and spec.exits:
-            if spec.exits[-1] > draft_cfg.num_layers:
-                raise S2DError(f"exit {spec.exits[-1]} is deeper than the draft's "
-                               f"{draft_cfg.num_layers} layers; pick exits <= that")
-            draft_cfg = dataclasses.replace(draft_cfg, num_layers=spec.exits[-1])
-        return cls(target_cfg, draft_cfg if method != "ar" else None, spec, batch, prompt_len)
+        chain = Chain(draft_cfg, (), target_cfg, spec)  # checks the exits, cuts the draft
+        return cls(target_cfg, chain.draft, spec, batch, prompt_len)
+
+    def chain(self, mesh=None) -> Chain:
+        return Chain(self.draft_cfg, (), self.target_cfg, self.spec, mesh)
 
 
 def lower_generate(setup: GenerateSetup, mesh=None):
@@ -101,9 +101,7 @@ def lower_generate(setup: GenerateSetup, mesh=None):
     lens = jax.ShapeDtypeStruct((s.batch,), jnp.int32)
     dp = jax.eval_shape(lambda: DecodeParams.make(s.spec))
     key = jax.eval_shape(lambda: jax.random.key(0))
-    return engine.generate.lower(draft, target, prompts, lens, dp, key,
-                                 draft_cfg=s.draft_cfg, target_cfg=s.target_cfg, spec=s.spec,
-                                 mesh=mesh)
+    return engine.generate.lower(draft, target, prompts, lens, dp, key, chain=s.chain(mesh))
 
 
 def accelerator_like_options(cfgs) -> dict:

@@ -154,6 +154,15 @@ def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndar
     return d, q, e, c, write_layers(cache, 0, *kv)
 
 
+def _no_step(like: tuple, kv_shape: tuple, max_len: int):
+    """What a skipped draft step returns: zeros shaped like (token, q, exit, confidence)
+    and keys/values aimed at slot max_len, which the cache write drops."""
+    k, v, at = kv_shape
+    return (*(jnp.zeros_like(x) for x in like),
+            (jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype),
+             jnp.full(at.shape, max_len, at.dtype)))
+
+
 def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarray,
                 start: jnp.ndarray, key: jax.Array, rows: jnp.ndarray, dp: DecodeParams,
                 spec: SpecConfig, limit: jnp.ndarray | None = None):
@@ -196,11 +205,7 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
             return step(cache, prev[:, None], pos, jax.random.fold_in(key, g))[:5]
 
         def skip():
-            k, v, at = kv_shape
-            return (jnp.zeros_like(prev), jnp.zeros_like(q0), jnp.zeros_like(e0),
-                    jnp.zeros_like(c0), (jnp.zeros(k.shape, k.dtype),
-                                         jnp.zeros(v.shape, v.dtype),
-                                         jnp.full(at.shape, cache.max_len, at.dtype)))  # skipped
+            return _no_step((prev, q0, e0, c0), kv_shape, cache.max_len)
 
         d, q, e, c, kv = jax.lax.cond(jnp.any(active), run, skip)
         cache = write_layers(cache, 0, *kv)
@@ -208,9 +213,8 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
 
     (cache, _, _), (ds, qs, es, act) = jax.lax.scan(
         body, (cache, d0, active0), jnp.arange(1, G, dtype=jnp.int32), unroll=True)
-    tokens = jnp.concatenate([d0[:, None], ds.T], axis=1)
-    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    exit_idx = jnp.concatenate([e0[:, None], es.T], axis=1)
+    tokens, q, exit_idx = (jnp.concatenate([first[:, None], jnp.moveaxis(later, 0, 1)], axis=1)
+                           for first, later in ((d0, ds), (q0, qs), (e0, es)))
     count = 1 + jnp.sum(act.T, axis=1).astype(jnp.int32)
     # The cache now holds K/V for the window and for the drafted tokens fed back (all but
     # the last): positions < start - 1 + count; the next call lowers it to what the

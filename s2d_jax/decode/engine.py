@@ -3,11 +3,12 @@ speculative round (round.py: propose, verify, commit).
 
 Autoregressive decoding (`ar`, gamma = 0: the round is one target step), vanilla SD
 (`sd`), early-exit self-speculation (`self`), S2D (`s2d`) and polybasic chains
-(`spec.mus` non-empty, intermediate models in `mid_params` / `mid_cfgs`) all run this same
-code; only the static SpecConfig and the params differ.
+(`spec.mus` non-empty, intermediate models in `mid_params`) all run this same code; only
+the static Chain (chain.py: the configs, the SpecConfig, the mesh) and the params differ.
 
-Public entry points (all pure; cfgs, spec and the optional mesh are static; params keep
-the sharding they arrive with, caches are pinned to the mesh by CACHE_AXES):
+Public entry points (all pure; `chain` is the one static argument, so each function
+compiles once per chain and shapes; params keep the sharding they arrive with, caches are
+pinned to the mesh by CACHE_AXES):
   generate(...)      -> GenState   whole generation in one jit
   prefill(...)       -> GenState   then decode_chunk(state, ...) -> GenState, donated;
                                    used for streaming and for the in-loop cost probes
@@ -21,17 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from s2d_jax.config import ModelConfig
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.round import check_done, one_round
 from s2d_jax.decode.sampling import probs_from_logits, sample
-from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
+from s2d_jax.decode.state import DecodeParams, GenState, RoundStats
 from s2d_jax.errors import S2DError
-from s2d_jax.model import small_matmul, transformer as model
+from s2d_jax.model import transformer as model
 from s2d_jax.model.kvcache import init_cache
-from s2d_jax.parallel.mesh import CACHE_AXES, spec as logical_spec
-
-STATIC = ("draft_cfg", "target_cfg", "spec", "mesh", "mid_cfgs")
+from s2d_jax.parallel.mesh import CACHE_AXES, partition_spec
 
 
 def _place_cache(cache, mesh):
@@ -39,101 +38,96 @@ def _place_cache(cache, mesh):
     heads over tensor); the while loop then keeps that layout. No-op without a mesh."""
     if mesh is None or cache is None:
         return cache
-    sharding = NamedSharding(mesh, logical_spec(CACHE_AXES))
+    sharding = NamedSharding(mesh, partition_spec(CACHE_AXES))
     pin = functools.partial(jax.lax.with_sharding_constraint, shardings=sharding)
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
+def _prefill_level(params, cfg, prompts, positions, max_len: int, mesh):
+    """One level over the prompt: a fresh cache of `max_len` slots filled with the
+    prompt's keys/values (all cfg.num_layers layers: a draft's cfg is already cut to its
+    deepest exit, Chain) -> (hidden states [B, P, D] after the last layer, cache)."""
+    cache = _place_cache(init_cache(cfg, prompts.shape[0], max_len), mesh)
+    h = model.embed_tokens(params, cfg, prompts)
+    return model.run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, fresh=True)
+
+
+def _first_token(target_params, cfg, h, prompt_lens, dp: DecodeParams, key):
+    """The token after each prompt, drawn from the target's logits at its last position
+    (the head runs on one row per prompt, not P)."""
+    h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
+    last_logits = model.lm_logits(target_params, cfg, h_last, decode=True)[:, 0]
+    return sample(key, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
+
+
 def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams, key,
-             mid_params=(), *, draft_cfg: ModelConfig | None, target_cfg: ModelConfig,
-             spec: SpecConfig, mesh=None, mid_cfgs=()):
+             mid_params=(), *, chain: Chain):
     """Prompts [B, P] (right-padded), prompt_lens [B] >= 1 -> state after the first token.
 
     The first new token comes from the prefill's target logits, so every later round starts
     from the invariant "caches hold positions < length - 1" (GenState). Padded prompt
     positions write junk keys/values, overwritten before any query can attend to them.
     """
-    if len(mid_params) != len(spec.mus) or len(mid_cfgs) != len(spec.mus):
-        raise S2DError(f"{len(spec.mus)} chain level(s) in spec.mus but "
-                         f"{len(mid_params)} intermediate params / {len(mid_cfgs)} configs")
+    spec = chain.spec
+    if len(mid_params) != len(chain.mids):
+        raise S2DError(f"{len(chain.mids)} intermediate level(s) in the chain but "
+                       f"{len(mid_params)} intermediate params")
     B, P = prompts.shape
-    S = spec.max_len
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    tcache = _place_cache(init_cache(target_cfg, B, S), mesh)
-    h = model.embed_tokens(target_params, target_cfg, prompts)
-    h, tcache = model.run_layers(target_params, target_cfg, h, positions, 0,
-                                 target_cfg.num_layers, tcache, fresh=True)
-    # Only the last prompt token's logits are needed: the head runs on one row, not P.
-    h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
-    last_logits = model.lm_logits(target_params, target_cfg, h_last, decode=True)[:, 0]
+    params = (draft_params,) + tuple(mid_params) + (target_params,)
+    caches = [None if cfg is None else
+              _prefill_level(p, cfg, prompts, positions, spec.max_len, chain.mesh)
+              for p, cfg in zip(params, chain.cfgs)]
+    h, _ = caches[-1]
     key, k_first = jax.random.split(key)
-    first = sample(k_first, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
-
-    dcache = None
-    if spec.method != "ar":
-        dcache = _place_cache(init_cache(draft_cfg, B, S), mesh)
-        h = model.embed_tokens(draft_params, draft_cfg, prompts)
-        _, dcache = model.run_layers(draft_params, draft_cfg, h, positions, 0,
-                                     spec.exits[-1], dcache, fresh=True)
-    mid_caches = []
-    for mp, mc in zip(mid_params, mid_cfgs):
-        mcache = _place_cache(init_cache(mc, B, S), mesh)
-        hm = model.embed_tokens(mp, mc, prompts)
-        mid_caches.append(model.run_layers(mp, mc, hm, positions, 0, mc.num_layers, mcache,
-                                           fresh=True)[1])
+    first = _first_token(target_params, chain.target, h, prompt_lens, dp, k_first)
 
     valid = jnp.arange(P)[None, :] < prompt_lens[:, None]
-    tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(jnp.where(valid, prompts, 0))
+    tokens = jnp.zeros((B, spec.max_len), jnp.int32).at[:, :P].set(jnp.where(valid, prompts, 0))
     tokens = tokens.at[jnp.arange(B), prompt_lens].set(first)
     length = prompt_lens + 1
     done = check_done(length, prompt_lens, first == dp.eos_id, dp, spec)
-    return GenState(
-        tokens=tokens, length=length, prompt_len=prompt_lens, done=done,
-        target_cache=tcache.with_lengths(length - 1),
-        draft_cache=None if dcache is None else dcache.with_lengths(length - 1),
-        key=key, round=jnp.int32(0), stats=RoundStats.zeros(B, spec),
-        mid_caches=tuple(c.with_lengths(length - 1) for c in mid_caches))
+    state = GenState(tokens=tokens, length=length, prompt_len=prompt_lens, done=done,
+                     target_cache=None, draft_cache=None, key=key, round=jnp.int32(0),
+                     stats=RoundStats.zeros(B, spec))
+    return state.with_caches([None if c is None else c[1].with_lengths(length - 1)
+                              for c in caches])
 
 
 def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams, max_rounds,
-                 mid_params=(), *, draft_cfg, target_cfg, spec, mesh=None,
-                 mid_cfgs=()) -> GenState:
+                 mid_params=(), *, chain: Chain) -> GenState:
     """Run rounds until every row is done or `max_rounds` (traced) more rounds ran."""
     stop_at = state.round + max_rounds
-    if spec.method in ("sd", "s2d"):  # not self: that would copy the target's layers
-        draft_params = with_exit_segments(draft_params, spec.exits)
+    if chain.spec.method in ("sd", "s2d"):  # not self: that would copy the target's layers
+        draft_params = with_exit_segments(draft_params, chain.spec.exits)
+    params = (draft_params,) + tuple(mid_params) + (target_params,)
 
     def cond(s):
         return jnp.any(~s.done) & (s.round < stop_at)
 
-    body = functools.partial(one_round, draft_params=draft_params, target_params=target_params,
-                             dp=dp, mid_params=mid_params, draft_cfg=draft_cfg,
-                             target_cfg=target_cfg, spec=spec, mid_cfgs=mid_cfgs)
+    body = functools.partial(one_round, params=params, dp=dp, chain=chain)
     return jax.lax.while_loop(cond, body, state)
 
 
 def _generate(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams, key,
-              mid_params=(), *, draft_cfg, target_cfg, spec, mesh=None,
-              mid_cfgs=()) -> GenState:
+              mid_params=(), *, chain: Chain) -> GenState:
     state = _prefill(draft_params, target_params, prompts, prompt_lens, dp, key, mid_params,
-                     draft_cfg=draft_cfg, target_cfg=target_cfg, spec=spec, mesh=mesh,
-                     mid_cfgs=mid_cfgs)
+                     chain=chain)
     # Every round adds >= 1 token to each active row, so max_len rounds always suffice.
-    return _decode_loop(state, draft_params, target_params, dp, jnp.int32(spec.max_len),
-                        mid_params, draft_cfg=draft_cfg, target_cfg=target_cfg, spec=spec,
-                        mid_cfgs=mid_cfgs)
+    return _decode_loop(state, draft_params, target_params, dp, jnp.int32(chain.spec.max_len),
+                        mid_params, chain=chain)
 
 
-def _traced_for_mesh(fn):
-    """fn traced with the small-matmul kernel only where it runs unsharded (small_matmul.for_mesh)."""
+def _jit_per_chain(fn, **jit_kw):
+    """fn jitted with `chain` static (one program per chain and shapes), traced in the
+    chain's kernel scope (Chain.kernel_scope)."""
     @functools.wraps(fn)
-    def wrapped(*args, mesh=None, **kwargs):
-        with small_matmul.for_mesh(mesh):
-            return fn(*args, mesh=mesh, **kwargs)
-    return wrapped
+    def traced(*args, chain: Chain, **kwargs):
+        with chain.kernel_scope():
+            return fn(*args, chain=chain, **kwargs)
+    return jax.jit(traced, static_argnames=("chain",), **jit_kw)
 
 
-generate = jax.jit(_traced_for_mesh(_generate), static_argnames=STATIC)
-prefill = jax.jit(_traced_for_mesh(_prefill), static_argnames=STATIC)
-decode_chunk = jax.jit(_traced_for_mesh(_decode_loop), static_argnames=STATIC,
-                       donate_argnames=("state",))
+generate = _jit_per_chain(_generate)
+prefill = _jit_per_chain(_prefill)
+decode_chunk = _jit_per_chain(_decode_loop, donate_argnames=("state",))

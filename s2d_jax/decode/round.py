@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import draft_block
 from s2d_jax.decode.sampling import probs_from_logits, speculative_verify
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
@@ -85,8 +86,9 @@ class RoundCtx:
 
 
 @struct.dataclass
-class Block:
-    """Tokens a level proposes to the level above, written at ctx.work[:, E : E + M]."""
+class Proposal:
+    """The block of tokens a level proposes to the level above, written at
+    ctx.work[:, E : E + M]."""
 
     q: jnp.ndarray  # f32 [B, M, V] the distribution each token was drawn from
     count: jnp.ndarray  # i32 [B] tokens proposed (a prefix of the M slots)
@@ -95,7 +97,7 @@ class Block:
 
 @struct.dataclass
 class Verdict:
-    """A level's answer to a block."""
+    """A level's answer to a proposal."""
 
     accepted: jnp.ndarray  # i32 [B] length of the accepted prefix
     next_token: jnp.ndarray  # i32 [B] the correction (after a rejection) or the bonus
@@ -121,13 +123,14 @@ def _rows(x):
     return jnp.arange(x.shape[0])[:, None]
 
 
-def _draft(ctx: RoundCtx, rows, draft_params, dp, *, draft_cfg, spec):
+def _draft(ctx: RoundCtx, rows, draft_params, dp, chain: Chain):
     """Level 0's block: the draft's proposal after ctx.end, written to work."""
+    spec = chain.spec
     key = jax.random.fold_in(ctx.key, 0)
     if spec.num_levels > 2:
         key = jax.random.fold_in(key, ctx.calls[0])
     limit = room(ctx.end, spec)
-    tokens, q, count, exit_idx, cache = draft_block(draft_params, draft_cfg, ctx.caches[0],
+    tokens, q, count, exit_idx, cache = draft_block(draft_params, chain.draft, ctx.caches[0],
                                                     ctx.work, ctx.end, key, rows, dp, spec,
                                                     limit)
     count = jnp.minimum(count, limit)  # the first token is drafted even without room
@@ -135,14 +138,16 @@ def _draft(ctx: RoundCtx, rows, draft_params, dp, *, draft_cfg, spec):
     work = ctx.work.at[_rows(tokens), slots].set(tokens, mode="drop")
     ctx = ctx.replace(work=work, caches=(cache,) + tuple(ctx.caches[1:]),
                       calls=ctx.calls.at[0].add(1))
-    return ctx, Block(q, count, exit_idx)
+    return ctx, Proposal(q, count, exit_idx)
 
 
-def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, cfgs: tuple, dp, spec):
+def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, dp, chain: Chain):
     """Level `level`'s block after ctx.end for `rows`, written to work (ctx.end unchanged).
-    An intermediate level verifies the blocks of the level below until it holds mu."""
+    An intermediate level verifies the blocks of the level below until it holds mu.
+    `params`: every level's, bottom-up (as chain.cfgs)."""
     if level == 0:
-        return _draft(ctx, rows, params[0], dp, draft_cfg=cfgs[0], spec=spec)
+        return _draft(ctx, rows, params[0], dp, chain)
+    spec = chain.spec
     M_out = spec.block_len(level)
     B, S = ctx.work.shape
     start = ctx.end
@@ -157,8 +162,8 @@ def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, cfgs: tuple, dp, s
         ctx, acc, qbuf = carry
         need = rows & (acc < mu)
         ctx = ctx.replace(end=start + acc)
-        ctx, below = _block_of(level - 1, ctx, need, params, cfgs, dp, spec)
-        ctx, v = verify(ctx, level, below, need, params[level], dp, cfg=cfgs[level], spec=spec)
+        ctx, below = _block_of(level - 1, ctx, need, params, dp, chain)
+        ctx, v = verify(ctx, level, below, need, params[level], dp, chain)
         # Append accepted + next token; their distributions are this level's p.
         slot = jnp.where(need, ctx.end + v.accepted, S)
         work = ctx.work.at[jnp.arange(B), slot].set(v.next_token, mode="drop")
@@ -168,30 +173,31 @@ def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, cfgs: tuple, dp, s
         acc = acc + jnp.where(need, v.accepted + 1, 0)
         return ctx.replace(work=work), acc, qbuf
 
-    V = cfgs[level].vocab_size
+    V = chain.cfgs[level].vocab_size
     init = (ctx, jnp.zeros((B,), jnp.int32), jnp.zeros((B, M_out, V), jnp.float32))
     ctx, acc, qbuf = jax.lax.while_loop(cond, body, init)
-    return ctx.replace(end=start), Block(qbuf, jnp.minimum(acc, limit))
+    return ctx.replace(end=start), Proposal(qbuf, jnp.minimum(acc, limit))
 
 
-def propose(state: GenState, draft_params, dp: DecodeParams, mid_params=(), *, draft_cfg,
-            spec: SpecConfig, mid_cfgs=()):
-    """Everything below the target -> (RoundCtx, the Block the target verifies next)."""
+def propose(state: GenState, params: tuple, dp: DecodeParams, chain: Chain):
+    """Everything below the target -> (RoundCtx, the Proposal the target verifies next).
+    `params`: every level's, bottom-up (as chain.cfgs)."""
+    spec = chain.spec
     ctx = RoundCtx(work=state.tokens, end=state.length, caches=state.caches,
                    key=jax.random.fold_in(state.key, state.round),
                    calls=jnp.zeros((spec.num_levels,), jnp.int32), stats=state.stats)
     if spec.method == "ar":  # an empty block: the target's round is one plain step
         B = state.tokens.shape[0]
-        return ctx, Block(jnp.zeros((B, 0, 1), jnp.float32), jnp.zeros((B,), jnp.int32))
-    return _block_of(spec.num_levels - 2, ctx, ~state.done, (draft_params,) + tuple(mid_params),
-                     (draft_cfg,) + tuple(mid_cfgs), dp, spec)
+        return ctx, Proposal(jnp.zeros((B, 0, 1), jnp.float32), jnp.zeros((B,), jnp.int32))
+    return _block_of(spec.num_levels - 2, ctx, ~state.done, params, dp, chain)
 
 
-def verify(ctx: RoundCtx, level: int, block: Block, rows, params, dp: DecodeParams, *, cfg,
-           spec: SpecConfig):
-    """Level `level` >= 1 scores the block at work[E, E+M) with one forward (after its
-    catch-up window) and accepts a prefix -> (ctx with its cache and stats, Verdict)."""
-    n_levels = spec.num_levels
+def verify(ctx: RoundCtx, level: int, block: Proposal, rows, params, dp: DecodeParams,
+           chain: Chain):
+    """Level `level` >= 1 (its `params`) scores the block at work[E, E+M) with one forward
+    (after its catch-up window) and accepts a prefix -> (ctx with its cache and stats,
+    Verdict)."""
+    n_levels = chain.spec.num_levels
     W = n_levels - level
     S = ctx.work.shape[1]
     M = block.q.shape[1]
@@ -202,7 +208,7 @@ def verify(ctx: RoundCtx, level: int, block: Block, rows, params, dp: DecodePara
     pos = (ctx.end - W)[:, None] + jnp.arange(W + M, dtype=jnp.int32)[None, :]
     pos = jnp.minimum(jnp.maximum(pos, 0), S - 1)
     toks = jnp.take_along_axis(ctx.work, pos, axis=1)
-    logits, cache = model.forward(params, cfg, toks, pos, ctx.caches[level])
+    logits, cache = model.forward(params, chain.cfgs[level], toks, pos, ctx.caches[level])
     p = probs_from_logits(logits[:, W - 1:], dp.sampling)
     n, nxt = speculative_verify(key, toks[:, W:], block.q, p, block.count, dp.sampling.greedy)
 
@@ -242,10 +248,9 @@ def commit(state: GenState, ctx: RoundCtx, verdict: Verdict, dp: DecodeParams,
         stats=ctx.stats.add_round(active, count))
 
 
-def one_round(state: GenState, draft_params, target_params, dp: DecodeParams, mid_params=(),
-              *, draft_cfg, target_cfg, spec: SpecConfig, mid_cfgs=()) -> GenState:
-    ctx, block = propose(state, draft_params, dp, mid_params, draft_cfg=draft_cfg, spec=spec,
-                         mid_cfgs=mid_cfgs)
-    ctx, verdict = verify(ctx, spec.num_levels - 1, block, ~state.done, target_params, dp,
-                          cfg=target_cfg, spec=spec)
-    return commit(state, ctx, verdict, dp, spec)
+def one_round(state: GenState, params: tuple, dp: DecodeParams, chain: Chain) -> GenState:
+    """propose -> verify at the target -> commit. `params`: every level's, bottom-up."""
+    ctx, block = propose(state, params, dp, chain)
+    ctx, verdict = verify(ctx, chain.spec.num_levels - 1, block, ~state.done, params[-1], dp,
+                          chain)
+    return commit(state, ctx, verdict, dp, chain.spec)

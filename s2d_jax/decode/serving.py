@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax.decode import engine
-from s2d_jax.parallel.mesh import with_auto_axes
 from s2d_jax.config import ModelConfig
+from s2d_jax.decode import engine
+from s2d_jax.decode.chain import Chain
+from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
 from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
@@ -26,6 +27,46 @@ from s2d_jax.errors import S2DError
 
 def _fingerprint(tok):
     return None if tok is None else tok.fingerprint()
+
+
+def _check_tokenizers(draft_tokenizer, target_tokenizer, name: str) -> None:
+    fp_d, fp_t = _fingerprint(draft_tokenizer), _fingerprint(target_tokenizer)
+    if fp_d is not None and fp_t is not None and fp_d != fp_t:
+        raise S2DError(f"draft tokenizer differs from target {name!r}'s tokenizer; "
+                       f"use a draft trained with the target's tokenizer")
+
+
+def _method_exits(method: str, exits, draft_cfg) -> tuple:
+    """The exits a method drafts with: none for ar, the draft's full depth by default."""
+    if method == "ar":
+        return ()
+    if exits:
+        return tuple(exits)
+    if method == "self":
+        raise S2DError("method self needs --exit (the number of target layers to draft with)")
+    return (draft_cfg.num_layers,)
+
+
+def build_chain(target_cfg: ModelConfig, *, method: str, draft_cfg: ModelConfig | None,
+                exits, gamma: int, confidence: str, kv_fill: str, mid_cfgs=(), mus=None,
+                mesh=None, name: str = "target") -> Chain:
+    """The static Chain of one target under one method (buffer length a placeholder:
+    Decoder.prepare sizes it per batch); every setting is checked here, once."""
+    if method == "self":
+        draft_cfg = target_cfg
+    if method in ("sd", "s2d") and draft_cfg is None:
+        raise S2DError(f"method {method} needs a draft model; pass --draft")
+    mid_cfgs = tuple(mid_cfgs)
+    if mid_cfgs and method == "ar":
+        raise S2DError("method ar has no draft to chain; drop the intermediate models")
+    mus = tuple(mus) if mus is not None else (gamma,) * len(mid_cfgs)
+    try:
+        spec = SpecConfig(method=method, exits=_method_exits(method, exits, draft_cfg),
+                          gamma=gamma if method != "ar" else 0, max_len=16,
+                          confidence=confidence, kv_fill=kv_fill, mus=mus)
+        return Chain(draft_cfg, mid_cfgs, target_cfg, spec, mesh)
+    except S2DError as e:
+        raise S2DError(f"target {name!r}: {e}") from None
 
 
 class Decoder:
@@ -42,66 +83,31 @@ class Decoder:
         chain (round.py) with accumulation lengths `mus` (default: gamma per level).
         `stop_threshold`: the default dynamic draft length (a row stops drafting after a
         token whose confidence is below it; 0 = always gamma tokens)."""
-        self.name, self.mesh = name, with_auto_axes(mesh)
-        self.target_cfg, self.target_params = target_cfg, target_params
         if method == "self":
-            draft_cfg, draft_params, draft_tokenizer = target_cfg, target_params, None
+            draft_params, draft_tokenizer = target_params, None
         if method in ("sd", "s2d"):
-            if draft_cfg is None or draft_params is None:
+            if draft_params is None:
                 raise S2DError(f"method {method} needs a draft model; pass --draft")
-            if draft_cfg.vocab_size != target_cfg.vocab_size:
-                raise S2DError(
-                    f"draft vocab_size {draft_cfg.vocab_size} differs from target {name!r} "
-                    f"vocab_size {target_cfg.vocab_size}; use a draft trained for this target")
-            fp_d, fp_t = _fingerprint(draft_tokenizer), _fingerprint(target_tokenizer)
-            if fp_d is not None and fp_t is not None and fp_d != fp_t:
-                raise S2DError(f"draft tokenizer differs from target {name!r}'s tokenizer; "
-                               f"use a draft trained with the target's tokenizer")
-        if method == "ar":
-            exits = ()
-        elif not exits:
-            exits = (draft_cfg.num_layers,) if method != "self" else ()
-            if not exits:
-                raise S2DError("method self needs --exit (the number of target layers to draft with)")
-        exits = tuple(int(e) for e in exits)
-        if method != "ar" and exits and max(exits) > draft_cfg.num_layers:
-            raise S2DError(f"exit {max(exits)} is deeper than the draft's {draft_cfg.num_layers} "
-                           f"layers; pick exits <= {draft_cfg.num_layers}")
+            _check_tokenizers(draft_tokenizer, target_tokenizer, name)
         intermediates = tuple(intermediates)
-        mus = tuple(mus) if mus is not None else (gamma,) * len(intermediates)
-        if intermediates and method == "ar":
-            raise S2DError("method ar has no draft to chain; drop the intermediate models")
-        if len(mus) != len(intermediates):
-            raise S2DError(f"got {len(mus)} mu value(s) for {len(intermediates)} intermediate "
-                           f"model(s); pass one mu per intermediate")
-        for i, (mcfg, _) in enumerate(intermediates):
-            if mcfg.vocab_size != target_cfg.vocab_size:
-                raise S2DError(f"intermediate {i} vocab_size {mcfg.vocab_size} differs from "
-                               f"target {name!r} vocab_size {target_cfg.vocab_size}; use a "
-                               f"model with the target's tokenizer")
-        self.mid_cfgs = tuple(c for c, _ in intermediates)
-        self.mid_params = tuple(p for _, p in intermediates)
-        self.spec_base = SpecConfig(method=method, exits=exits, gamma=gamma if method != "ar" else 0,
-                                    max_len=16, confidence=confidence, kv_fill=kv_fill, mus=mus)
-        # The draft's cache only needs the layers up to the deepest exit.
-        self.draft_cfg = (None if method == "ar"
-                          else dataclasses.replace(draft_cfg, num_layers=exits[-1]))
+        self.name = name
+        self.chain = build_chain(target_cfg, method=method, draft_cfg=draft_cfg, exits=exits,
+                                 gamma=gamma, confidence=confidence, kv_fill=kv_fill,
+                                 mid_cfgs=[c for c, _ in intermediates], mus=mus, mesh=mesh,
+                                 name=name)
+        self.target_params = target_params
         self.draft_params = None if method == "ar" else draft_params
-        self.thresholds = thresholds
-        if not 0.0 <= stop_threshold <= 1.0:
-            raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got "
-                           f"{stop_threshold}")
-        self.stop_threshold = float(stop_threshold)
-        DecodeParams.make(self.spec_base, thresholds)  # validate early
+        self.mid_params = tuple(p for _, p in intermediates)
+        self.thresholds = check_thresholds(thresholds, self.chain.spec.exits)
+        self.stop_threshold = check_stop_threshold(stop_threshold)
 
-    @property
-    def context(self) -> int:
-        ctx = self.target_cfg.max_position_embeddings
-        if self.draft_cfg is not None:
-            ctx = min(ctx, self.draft_cfg.max_position_embeddings)
-        for mcfg in self.mid_cfgs:
-            ctx = min(ctx, mcfg.max_position_embeddings)
-        return ctx
+    # The chain's parts under the names callers (bench, infer) read.
+    target_cfg = property(lambda self: self.chain.target)
+    draft_cfg = property(lambda self: self.chain.draft)
+    mid_cfgs = property(lambda self: self.chain.mids)
+    mesh = property(lambda self: self.chain.mesh)
+    spec_base = property(lambda self: self.chain.spec)
+    context = property(lambda self: self.chain.context)
 
     def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                 max_len: int | None = None):
@@ -133,8 +139,21 @@ class Decoder:
             arr[i, :len(p)] = p
         return spec, jnp.asarray(arr), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
+    def chain_for(self, spec: SpecConfig) -> Chain:
+        """This decoder's chain with the buffer of `spec` (from prepare)."""
+        return self.chain.with_max_len(spec.max_len)
+
     def decode_params(self, spec, thresholds=None, **kw) -> DecodeParams:
         return DecodeParams.make(spec, self.thresholds if thresholds is None else thresholds, **kw)
+
+    def prefill_args(self, arr, lens, dp: DecodeParams, seed: int) -> tuple:
+        """The positional arguments of engine.generate / engine.prefill."""
+        return (self.draft_params, self.target_params, arr, lens, dp, jax.random.key(seed),
+                self.mid_params)
+
+    def loop_args(self, dp: DecodeParams, rounds: int) -> tuple:
+        """engine.decode_chunk's arguments after the state."""
+        return (self.draft_params, self.target_params, dp, jnp.int32(rounds), self.mid_params)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -150,43 +169,63 @@ class Decoder:
         the single-jit path: keys depend only on the round index.
         """
         spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
-        eos = eos_id_or_default(eos_id, self.target_cfg)
-        if stop_threshold is None:
-            stop_threshold = self.stop_threshold
+        stop = self.stop_threshold if stop_threshold is None else check_stop_threshold(
+            stop_threshold)
         dp = self.decode_params(spec, thresholds, temperature=temperature, top_k=top_k,
-                                top_p=top_p, max_new_tokens=max_new_tokens, eos_id=eos,
-                                stop_threshold=stop_threshold)
-        kw = dict(draft_cfg=self.draft_cfg, target_cfg=self.target_cfg, spec=spec,
-                  mesh=self.mesh, mid_cfgs=self.mid_cfgs)
-        args = (self.draft_params, self.target_params, arr, lens, dp, jax.random.key(seed),
-                self.mid_params)
-        # Compile ahead (cached by jax per static settings and shapes) so that the reported
-        # time and tokens/s exclude compilation.
-        t0 = time.perf_counter()
-        prefill_s = None
+                                top_p=top_p, max_new_tokens=max_new_tokens,
+                                eos_id=eos_id_or_default(eos_id, self.target_cfg),
+                                stop_threshold=stop)
+        args = self.prefill_args(arr, lens, dp, seed)
         if chunk_rounds <= 0:
-            run = engine.generate.lower(*args, **kw).compile()
-            compile_s = time.perf_counter() - t0
-            start = time.perf_counter()
-            state = run(*args)
+            timing = run_whole(self.chain_for(spec), args)
         else:
-            first = engine.prefill.lower(*args, **kw).compile()
-            rounds = jnp.int32(chunk_rounds)
-            loop_args = (self.draft_params, self.target_params, dp, rounds, self.mid_params)
-            chunk = engine.decode_chunk.lower(
-                jax.eval_shape(lambda: first(*args)), *loop_args, **kw).compile()
-            compile_s = time.perf_counter() - t0
-            start = time.perf_counter()
-            state = jax.block_until_ready(first(*args))
-            prefill_s = time.perf_counter() - start
-            while True:
-                if on_chunk is not None:
-                    on_chunk(state)
-                if bool(jnp.all(state.done)):
-                    break
-                state = chunk(state, *loop_args)
-        state = jax.block_until_ready(state)
-        return summarize(state, time.perf_counter() - start, spec, compile_s, prefill_s)
+            timing = run_streamed(self.chain_for(spec), args,
+                                  self.loop_args(dp, chunk_rounds), on_chunk)
+        return summarize(timing.state, timing.seconds, spec, timing.compile_seconds,
+                         timing.prefill_seconds)
+
+
+@dataclasses.dataclass
+class Timed:
+    """A finished generation and where its time went (compilation excluded from seconds)."""
+
+    state: GenState
+    seconds: float
+    compile_seconds: float
+    prefill_seconds: float | None = None  # of seconds; None: not split
+
+
+def run_whole(chain: Chain, args: tuple) -> Timed:
+    """engine.generate compiled ahead (jax caches it per chain and shapes), so the reported
+    time and tokens/s exclude compilation, then run."""
+    t0 = time.perf_counter()
+    run = engine.generate.lower(*args, chain=chain).compile()
+    compile_s = time.perf_counter() - t0
+    start = time.perf_counter()
+    state = jax.block_until_ready(run(*args))
+    return Timed(state, time.perf_counter() - start, compile_s)
+
+
+def run_streamed(chain: Chain, args: tuple, loop_args: tuple,
+                 on_chunk: Callable[[GenState], None] | None) -> Timed:
+    """engine.prefill, then engine.decode_chunk (state donated) until every row is done,
+    calling on_chunk(state) between chunks; the prefill timed on its own."""
+    t0 = time.perf_counter()
+    first = engine.prefill.lower(*args, chain=chain).compile()
+    chunk = engine.decode_chunk.lower(jax.eval_shape(lambda: first(*args)), *loop_args,
+                                      chain=chain).compile()
+    compile_s = time.perf_counter() - t0
+    start = time.perf_counter()
+    state = jax.block_until_ready(first(*args))
+    prefill_s = time.perf_counter() - start
+    while True:
+        if on_chunk is not None:
+            on_chunk(state)
+        if bool(jnp.all(state.done)):
+            break
+        state = chunk(state, *loop_args)
+    state = jax.block_until_ready(state)
+    return Timed(state, time.perf_counter() - start, compile_s, prefill_s)
 
 
 def summarize(state: GenState, seconds: float, spec: SpecConfig,

@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from s2d_jax.errors import S2DError
+from s2d_jax.model.exits import exits_problem
 from s2d_jax.model.kvcache import KVCache
+from s2d_jax.decode.checks import check_thresholds
 from s2d_jax.decode.defaults import METHODS
 from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
 
@@ -64,10 +66,12 @@ class SpecConfig:
             return
         if self.gamma < 1:
             raise S2DError(f"gamma must be >= 1 for method {self.method}, got {self.gamma}")
+        problem = exits_problem(self.exits)
+        if problem:
+            raise S2DError(f"exits must be increasing positive layer counts, got "
+                           f"{self.exits!r}: {problem}")
         exits = tuple(int(e) for e in self.exits)
         object.__setattr__(self, "exits", exits)
-        if not exits or any(e < 1 for e in exits) or list(exits) != sorted(set(exits)):
-            raise S2DError(f"exits must be increasing positive layer counts, got {exits}")
         if self.method in ("sd", "self") and len(exits) != 1:
             raise S2DError(f"method {self.method} uses exactly one exit (--exit), got {exits}")
 
@@ -103,15 +107,7 @@ class DecodeParams:
     @classmethod
     def make(cls, spec: SpecConfig, thresholds=None, temperature=0.0, top_k=0, top_p=1.0,
              max_new_tokens=32, eos_id=-1, stop_threshold=0.0) -> "DecodeParams":
-        m = spec.num_exits
-        if thresholds is None:
-            thresholds = [0.0] * m
-        thresholds = [float(t) for t in thresholds]
-        if len(thresholds) != m:
-            raise S2DError(f"got {len(thresholds)} threshold(s) for {m} exit(s) {spec.exits}; "
-                           f"pass one threshold per exit")
-        if any(not 0.0 <= t <= 1.0 for t in thresholds):
-            raise S2DError(f"thresholds must lie in [0, 1], got {thresholds}")
+        thresholds = check_thresholds(thresholds, spec.exits)
         if temperature < 0:
             raise S2DError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         if not 0.0 < top_p <= 1.0:
@@ -121,7 +117,7 @@ class DecodeParams:
         if max_new_tokens < 1:
             raise S2DError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         return cls(SamplingParams.make(temperature, top_k, top_p),
-                   jnp.asarray(thresholds, jnp.float32).reshape(m), jnp.int32(max_new_tokens),
+                   jnp.asarray(thresholds, jnp.float32).reshape(spec.num_exits), jnp.int32(max_new_tokens),
                    jnp.int32(eos_id), jnp.float32(stop_threshold))
 
 

@@ -22,6 +22,7 @@ import optax
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
+from s2d_jax.model.exits import exits_problem
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +65,7 @@ class DraftConfig:
 def validate_exits(exits, num_layers: int) -> None:
     """Exits must be strictly increasing layer counts in (0, num_layers], ending at num_layers."""
     exits = tuple(exits)
-    ok = (len(exits) > 0 and all(isinstance(e, int) for e in exits)
-          and all(e > 0 for e in exits)
-          and all(a < b for a, b in zip(exits, exits[1:]))
-          and exits[-1] == num_layers)
-    if not ok:
+    if exits_problem(exits, num_layers, to_depth=True):
         raise S2DError(
             f"draft exits {list(exits)} are invalid for a {num_layers}-layer draft; exits must be "
             f"strictly increasing layer counts > 0 ending at {num_layers} (e.g. [6, 9, 12] "
@@ -79,10 +76,7 @@ def stored_exits(extra: dict | None, cfg: ModelConfig) -> tuple[int, ...]:
     """A draft's exits as stored with it (`s2d_exits` in its config.json, read from a file:
     checked, not cast), else one exit at its full depth."""
     exits = (extra or {}).get("s2d_exits") or [cfg.num_layers]
-    ok = (isinstance(exits, list) and
-          all(isinstance(e, int) and not isinstance(e, bool) for e in exits) and
-          all(a < b for a, b in zip([0] + exits, exits)) and exits[-1] <= cfg.num_layers)
-    if not ok:
+    if not isinstance(exits, list) or exits_problem(exits, cfg.num_layers):
         raise S2DError(f"the draft's s2d_exits {exits!r} are not ascending layer counts in "
                        f"1..{cfg.num_layers}; fix s2d_exits in its config.json or re-export "
                        f"the draft")

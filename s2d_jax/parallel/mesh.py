@@ -67,7 +67,7 @@ def with_auto_axes(mesh: Mesh | None) -> Mesh | None:
                 axis_types=(jax.sharding.AxisType.Auto,) * mesh.devices.ndim)
 
 
-def spec(logical: tuple) -> P:
+def partition_spec(logical: tuple) -> P:
     """Mesh PartitionSpec of an array whose axes have the logical names `logical`."""
     return nn.logical_to_mesh_axes(logical, RULES)
 
@@ -96,4 +96,4 @@ CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 def cache_sharding(mesh):
     """KV cache [L, B, K, S, H]: rows over data x fsdp, kv heads over tensor."""
-    return NamedSharding(mesh, spec(CACHE_AXES))
+    return NamedSharding(mesh, partition_spec(CACHE_AXES))

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
-from s2d_jax.parallel.mesh import spec
+from s2d_jax.parallel.mesh import partition_spec
 from s2d_jax.model.sorted_draft import soft_sums
 from s2d_jax.train.config import OptimizerConfig
 
@@ -80,7 +80,7 @@ def stop_frozen_gradients(params, frozen):
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[batch, seq] arrays: rows split over the "batch" rule (data x fsdp)."""
-    return NamedSharding(mesh, spec(("batch", "seq")))
+    return NamedSharding(mesh, partition_spec(("batch", "seq")))
 
 
 def state_shardings(cfg: ModelConfig, mesh: Mesh, tx) -> TrainState:
@@ -124,7 +124,7 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
     share of distillation on the target's distribution (batches then carry TEACHER_KEY)."""
     w = jnp.asarray(weights, jnp.float32)
     A = grad_accum_steps
-    micro_sharding = NamedSharding(mesh, spec((None, "batch", "seq")))
+    micro_sharding = NamedSharding(mesh, partition_spec((None, "batch", "seq")))
     head = None if head_ids is None else np.asarray(head_ids, np.int32)
 
     def loss_fn(params, micro, total_tokens):

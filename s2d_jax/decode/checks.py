@@ -1,0 +1,38 @@
+"""Checks of the traced decode settings that every entry point shares, without JAX (a CLI
+or a serving config is checked before JAX starts): one rule per setting, so a flag, a
+calibrated s2d_serving.json and a Python call are refused alike."""
+
+from __future__ import annotations
+
+import math
+
+from s2d_jax.errors import S2DError
+
+
+def check_thresholds(thresholds, exits) -> tuple[float, ...]:
+    """One escalation threshold per exit, each in [0, 1] (1 = never stop at that exit; NaN
+    is refused) -> floats; None = 0 at every exit (always the first exit's token)."""
+    exits = tuple(exits)
+    if thresholds is None:
+        return (0.0,) * len(exits)
+    try:
+        out = tuple(float(t) for t in thresholds)
+    except (TypeError, ValueError):
+        raise S2DError(f"thresholds must be numbers in [0, 1], got {thresholds!r}") from None
+    if len(out) != len(exits):
+        raise S2DError(f"got {len(out)} threshold(s) for {len(exits)} exit(s) {exits}; "
+                       f"pass one threshold per exit")
+    if any(not 0.0 <= t <= 1.0 for t in out):
+        raise S2DError(f"thresholds must lie in [0, 1], got {list(out)}")
+    return out
+
+
+def check_stop_threshold(stop) -> float:
+    """The dynamic draft length's stop threshold: in [0, 1] (0 = always gamma tokens)."""
+    try:
+        stop = float(stop)
+    except (TypeError, ValueError):
+        stop = math.nan
+    if not 0.0 <= stop <= 1.0:
+        raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got {stop}")
+    return stop
