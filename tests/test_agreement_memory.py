@@ -33,21 +33,31 @@ def demo():
 
 def full_distribution_stats(cfg, params, draft, prompts, answers):
     """The reference: the target's and every exit's distributions at every position of
-    prompt + answer, sliced to the answer afterwards."""
+    prompt + answer (all padded to one length: causal, and one compilation), sliced to the
+    answer afterwards."""
     from s2d_jax.model import transformer as model
     from s2d_jax.model.sorted_draft import multi_exit_logits
+
+    @jax.jit
+    def every_position(tokens):
+        p = jax.nn.softmax(model.forward(params, cfg, tokens)[0][0], -1)
+        logits = [lg[0] for lg in multi_exit_logits(draft.params, draft.cfg, draft.exits,
+                                                    tokens)]
+        qs = [jax.nn.softmax(lg, -1) for lg in logits]
+        return (jnp.stack([jnp.argmax(lg, -1) for lg in logits], -1),
+                jnp.stack([q.max(-1) for q in qs], -1),
+                jnp.stack([jnp.minimum(p, q).sum(-1) for q in qs], -1))
+
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers))
     correct, conf, accept = [], [], []
     for prompt, answer in zip(prompts, answers):
-        tokens = jnp.asarray([list(prompt) + list(answer)], jnp.int32)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :len(prompt) + len(answer)] = list(prompt) + list(answer)
+        ids, cf, ov = jax.device_get(every_position(jnp.asarray(tokens)))
         lo, n = len(prompt), len(answer) - 1
-        p = jax.nn.softmax(model.forward(params, cfg, tokens)[0][0], -1)[lo:lo + n]
-        logits = [lg[0, lo:lo + n] for lg in multi_exit_logits(draft.params, draft.cfg,
-                                                               draft.exits, tokens)]
-        qs = [jax.nn.softmax(lg, -1) for lg in logits]
-        correct.append(np.stack([np.asarray(jnp.argmax(lg, -1)) == np.asarray(answer[1:])
-                                 for lg in logits], -1))
-        conf.append(np.stack([np.asarray(q.max(-1)) for q in qs], -1))
-        accept.append(np.stack([np.asarray(jnp.minimum(p, q).sum(-1)) for q in qs], -1))
+        correct.append(ids[lo:lo + n] == np.asarray(answer[1:])[:, None])
+        conf.append(cf[lo:lo + n])
+        accept.append(ov[lo:lo + n])
     return correct, conf, np.concatenate(accept).mean(0)
 
 
