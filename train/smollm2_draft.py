@@ -17,10 +17,10 @@ the committed draft pack, calibration.
    distribution, w = --kd-weight), the tied embedding frozen (shared with the target);
    resumes from WORK/ckpt.
 5. pack: the exits' teacher-forced agreement with the target on the calibration prompts
-   (python -m infer.agreement); from the first exit on, each deeper exit is kept while it
-   agrees measurably more often than the one before it (--exit-choice auto), and the
-   draft's layers up to its last kept exit and its norm (int8) + exits + head vocabulary
-   are written to --out.
+   (s2d_jax/bench/agreement.py, as python -m infer.agreement); from the first exit on,
+   each deeper exit is kept while it agrees measurably more often than the one before it
+   (--exit-choice auto), and the draft's layers up to its last kept exit and its norm
+   (int8) + exits + head vocabulary are written to --out.
 6. calibrate: thresholds and gamma on data/smollm2_calibration.jsonl (disjoint from
    Spec-Bench) -> the target's s2d_serving.json.
 """
@@ -157,15 +157,15 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
 def choose_exits(args, draft_hf: str, exits, log) -> list[int]:
     """The exits to ship: with --exit-choice auto, from the first exit on while each deeper
     one agrees with the target measurably more often than the one before it (paired gain
-    >= 2 standard errors, infer.agreement on every calibration prompt); the draft is cut
+    >= 2 standard errors, as infer.agreement measures it on every calibration prompt); the draft is cut
     after the last kept exit, so a deeper exit that buys no acceptance costs nothing."""
-    from infer import agreement
+    from s2d_jax.bench.agreement import measurable_exits, measure_agreement
+    from s2d_jax.io.atomic import write_atomic
     report = os.path.join(args.work, "exit_choice.json")
-    agreement.main(["--target", args.target, "--draft", draft_hf, "--questions",
-                    CALIBRATION_PROMPTS, "--max-prompts", "1000", "--out", report])
-    with open(report) as f:
-        rows = json.load(f)["drafts"][draft_hf]
-    kept = agreement.measurable_exits(rows) if args.exit_choice == "auto" else list(exits)
+    measured = measure_agreement(args.target, [draft_hf], CALIBRATION_PROMPTS, max_prompts=1000)
+    write_atomic(report, json.dumps(measured, indent=1))
+    rows = measured["drafts"][draft_hf]
+    kept = measurable_exits(rows) if args.exit_choice == "auto" else list(exits)
     log(f"[pack] exits {kept} of {list(exits)} ({args.exit_choice}; agreement of the float32 "
         f"draft on {CALIBRATION_PROMPTS}: {report})")
     return kept

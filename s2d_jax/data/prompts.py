@@ -21,7 +21,7 @@ from s2d_jax.readers import read_text
 
 
 TEMPLATES = ("auto", "vicuna", "none")
-_PROBE_REPLY = "\u2063reply\u2063"  # text no template rewrites, to find what follows a reply
+PROBE_TEXT = "\u2063reply\u2063"  # text no template rewrites, to find what follows a turn
 
 
 def resolve_template(tok, choice: str, fallback: str) -> tuple[str, str | None]:
@@ -46,14 +46,15 @@ def render_chat(tok, user_turns, assistant_turns=()) -> str:
     return render_messages(tok, messages)
 
 
-def render_messages(tok, messages: list[dict]) -> str:
+def render_messages(tok, messages: list[dict], generation_prompt: bool = True) -> str:
     """The tokenizer's own template rendered for chat messages ({"role", "content"}) with
-    the assistant's generation header at the end."""
+    the assistant's generation header at the end (unless generation_prompt is False)."""
     if tok.chat_template is None:
         raise S2DError(f"tokenizer {tok.path} has no chat template; use --chat-template "
                        f"vicuna or none")
     try:
-        return tok.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                          tokenize=False)
     except Exception as e:  # Jinja raises assorted types (its own raise_exception included)
         raise S2DError(f"the chat template of {tok.path} fails to render ({type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}); use --chat-template "
@@ -129,10 +130,15 @@ def end_of_turn_id(tok, template: str) -> int:
     eos = tok.eos_id if tok.eos_id is not None else -1
     if template != "auto":
         return eos
-    text = render_chat(tok, ["q", "q"], [_PROBE_REPLY])
-    tail = text[text.index(_PROBE_REPLY) + len(_PROBE_REPLY):] if _PROBE_REPLY in text else ""
+    return first_special_after(tok, render_chat(tok, ["q", "q"], [PROBE_TEXT]), eos)
+
+
+def first_special_after(tok, text: str, default: int) -> int:
+    """The first special token the rendered `text` holds after PROBE_TEXT (what a template
+    closes a turn with), else `default`."""
+    tail = text[text.index(PROBE_TEXT) + len(PROBE_TEXT):] if PROBE_TEXT in text else ""
     special = set(tok.hf.all_special_ids) | {int(i) for i in tok.hf.added_tokens_decoder}
-    return next((i for i in tok.encode_rendered(tail) if i in special), eos)
+    return next((i for i in tok.encode_rendered(tail) if i in special), default)
 
 
 # Spec-Bench's six tasks: its MT-bench questions (8 categories) are one task, "mt_bench".
