@@ -48,6 +48,21 @@ def test_short_run_every_exit_loss_falls_and_loss_is_their_mean(one_device_run):
         np.testing.assert_allclose(r["loss"], np.mean(list(r["exit_loss"].values())), rtol=1e-6)
 
 
+def test_hooks_run_after_every_step_with_its_metrics_record(tmp_path, one_device_run):
+    """train(hooks=...): each hook sees every step, the state after it and, on logged
+    steps, the very record of the run's history (the same settings: the step is cached)."""
+    seen = []
+
+    def hook(step, state, record):
+        seen.append((step, int(state.step), record))
+
+    out = train(synthetic_config(tmp_path), devices=jax.devices()[:1], progress=False,
+                hooks=[hook])
+    assert [(s, t) for s, t, _ in seen] == [(s, s) for s in range(1, 21)]
+    assert [r for _, _, r in seen] == out["history"]
+    assert [r["loss"] for r in out["history"]] == [r["loss"] for r in one_device_run["history"]]
+
+
 def test_one_device_and_2x2x2_mesh_agree(tmp_path, one_device_run):
     tc = synthetic_config(tmp_path, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
     sharded = run(tc, 8)

@@ -90,63 +90,83 @@ def _shifted(ids, mask) -> dict[str, np.ndarray]:
             "loss_mask": np.asarray(mask[1:], np.float32)}
 
 
+def _clipped(ids, mask, limit: int, stats: dict):
+    """(ids, mask) cut to `limit` tokens, or None (counted) when no learned token is left."""
+    if len(ids) > limit:
+        stats["truncated"] += 1
+        ids, mask = ids[:limit], mask[:limit]
+    if not any(mask[1:]):
+        stats["no_learned_tokens"] += 1
+        return None
+    return ids, mask
+
+
+def _token_examples(path: str, tok, limit: int, stats: dict, teacher):
+    """Examples of a token-id .jsonl (loss on ids[learn_from:]); with `teacher`, each
+    carries its row's state indices (TeacherStates checked they are this very file's)."""
+    for i, row in enumerate(data_sources.load_token_rows(path, tok.vocab_size)):
+        stats["rows"] += 1
+        n = row["learn_from"]
+        kept = _clipped(row["input_ids"], [0] * n + [1] * (len(row["input_ids"]) - n), limit,
+                        stats)
+        if kept is None:
+            continue
+        example = _shifted(*kept)
+        if teacher is not None:  # row i's states, one per input position
+            example[TEACHER_INDEX] = (teacher.offsets[i] + np.arange(
+                len(example["inputs"]))).astype(np.int32)
+        yield example
+
+
+def _text_examples(path: str, tok, seq_len: int, stats: dict):
+    """Windows of seq_len+1 tokens of each document, overlapping by one: every transition
+    once; all tokens learned."""
+    for doc in tok.encode_batch(data_sources.load_text_documents(path), bos=True):
+        doc = doc + ([tok.eos_id] if tok.eos_id is not None else [])
+        stats["rows"] += 1
+        for s in range(0, max(len(doc) - 1, 0), seq_len):
+            w = doc[s:s + seq_len + 1]
+            yield _shifted(w, [1] * len(w))
+
+
+def _chat_examples(path: str, tok, system: str, limit: int, stats: dict, skipped: list):
+    """Examples of a ShareGPT file (loss on the assistant's tokens); malformed rows are
+    counted and the first few named in `skipped`."""
+    for i, row in enumerate(data_sources.load_records(path)):
+        stats["rows"] += 1
+        try:
+            turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
+            ids, mask = tokenize_conversation(tok, turns, system)
+        except MalformedConversation as e:
+            stats["malformed"] += 1
+            if len(skipped) < _WARN_IDS:
+                skipped.append(f"{data_sources.row_id(row, path, i)} ({e})")
+            continue
+        kept = _clipped(ids, mask, limit, stats)
+        if kept is not None:
+            yield _shifted(*kept)
+
+
+def _file_examples(path: str, cfg: DataConfig, tok, stats: dict, skipped: list, teacher):
+    limit = cfg.seq_len + 1  # tokens per example: seq_len inputs plus the last target
+    if cfg.format == "tokens":
+        return _token_examples(path, tok, limit, stats, teacher)
+    if data_sources.file_format(path, cfg.format) == "text":
+        return _text_examples(path, tok, cfg.seq_len, stats)
+    return _chat_examples(path, tok, cfg.system_prompt or VICUNA_SYSTEM, limit, stats, skipped)
+
+
 def build_examples(cfg: DataConfig, tok) -> Examples:
     """Tokenize every file of `cfg.paths`; malformed rows are counted, warned once, skipped."""
     if not cfg.paths:
         raise S2DError("data.paths is empty; give one or more ShareGPT .json/.jsonl/.parquet "
                        "or .txt files")
-    system = cfg.system_prompt or VICUNA_SYSTEM
-    limit = cfg.seq_len + 1  # tokens per example: seq_len inputs plus the last target
-    out: list[dict[str, np.ndarray]] = []
     stats = {"rows": 0, "malformed": 0, "no_learned_tokens": 0, "truncated": 0,
              "examples": 0, "tokens": 0, "learned_tokens": 0}
     skipped: list[str] = []
     teacher = TeacherStates(cfg.teacher, cfg.paths[0]) if cfg.teacher else None
-    for path in cfg.paths:
-        if cfg.format == "tokens":
-            # (TeacherStates checked that its states are of this very file)
-            for i, row in enumerate(data_sources.load_token_rows(path, tok.vocab_size)):
-                stats["rows"] += 1
-                ids, n = row["input_ids"], row["learn_from"]
-                mask = [0] * n + [1] * (len(ids) - n)
-                if len(ids) > limit:
-                    stats["truncated"] += 1
-                    ids, mask = ids[:limit], mask[:limit]
-                if not any(mask[1:]):
-                    stats["no_learned_tokens"] += 1
-                    continue
-                example = _shifted(ids, mask)
-                if teacher is not None:  # row i's states, one per input position
-                    example[TEACHER_INDEX] = (teacher.offsets[i] + np.arange(
-                        len(example["inputs"]))).astype(np.int32)
-                out.append(example)
-            continue
-        if data_sources.file_format(path, cfg.format) == "text":
-            for doc in tok.encode_batch(data_sources.load_text_documents(path), bos=True):
-                doc = doc + ([tok.eos_id] if tok.eos_id is not None else [])
-                stats["rows"] += 1
-                # Windows of seq_len+1 tokens overlapping by one: every transition once.
-                for s in range(0, max(len(doc) - 1, 0), cfg.seq_len):
-                    w = doc[s:s + limit]
-                    out.append(_shifted(w, [1] * len(w)))
-            continue
-        for i, row in enumerate(data_sources.load_records(path)):
-            stats["rows"] += 1
-            try:
-                turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
-                ids, mask = tokenize_conversation(tok, turns, system)
-            except MalformedConversation as e:
-                stats["malformed"] += 1
-                if len(skipped) < _WARN_IDS:
-                    skipped.append(f"{data_sources.row_id(row, path, i)} ({e})")
-                continue
-            if len(ids) > limit:
-                stats["truncated"] += 1
-                ids, mask = ids[:limit], mask[:limit]
-            if not any(mask[1:]):
-                stats["no_learned_tokens"] += 1
-                continue
-            out.append(_shifted(ids, mask))
+    out = [example for path in cfg.paths
+           for example in _file_examples(path, cfg, tok, stats, skipped, teacher)]
     stats["examples"] = len(out)
     stats["tokens"] = int(sum(len(e["inputs"]) for e in out))
     stats["learned_tokens"] = int(sum(e["loss_mask"].sum() for e in out))

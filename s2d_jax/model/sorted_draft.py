@@ -6,7 +6,8 @@ once, segment by segment ([0, e_1), [e_1, e_2), ...), each segment starting from
 previous exit's hidden state, so no layer is computed twice.
 
 SoFT (sorted fine-tuning) loss = weighted mean over exits of each exit's masked token
-cross-entropy. Each exit's [B, T, V] float32 logits are built, reduced and (under
+cross-entropy (mixed with distillation on the target's distribution): `soft_objective`, the
+one definition that training (s2d_jax/train/step.py) and evaluation use. Each exit's [B, T, V] float32 logits are built, reduced and (under
 `jax.checkpoint`) recomputed in the backward pass one exit at a time, so training never
 holds [E, B, T, V] logits at once.
 """
@@ -175,19 +176,41 @@ def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "
                                                   head_ids, teacher), jnp.stack(hidden))
 
 
-def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
-              remat: str = "none"):
-    """SoFT loss = weighted mean over exits of each exit's masked mean CE; plus metrics.
+def loss_tokens(batch: dict):
+    """The number of masked tokens of `batch` (at least 1): what the SoFT loss is a mean over."""
+    return jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
 
-    Returns (loss, {"loss", "exit_loss" [E], "exit_acc" [E], "tokens"}).
+
+def soft_objective(params: dict, cfg: ModelConfig, exits, batch: dict, weights, total_tokens,
+                   remat: str = "none", head_ids=None, kd_weight: float = 0.0):
+    """THE SoFT objective (training and evaluation both use it): the `weights`-weighted mean
+    over exits of each exit's (1 - kd_weight) hard CE + kd_weight distillation CE, summed
+    over the masked tokens of `batch` and divided by `total_tokens`.
+
+    `total_tokens` is the token count of the whole global batch, so the losses of the
+    micro-batches of an accumulated step add up to the whole batch's loss. Returns
+    (loss, (CE sums [E], correct counts [E], distillation CE sums [E])): see soft_sums.
     """
-    weights = jnp.asarray(weights if weights is not None else (1.0,) * len(exits), jnp.float32)
-    ce, correct, _ = soft_sums(params, cfg, exits, batch, remat)
-    tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-    exit_loss = ce / tokens
-    loss = jnp.sum(weights * exit_loss) / jnp.sum(weights)
-    return loss, {"loss": loss, "exit_loss": exit_loss, "exit_acc": correct / tokens,
-                  "tokens": tokens}
+    w = jnp.asarray(weights, jnp.float32)
+    ce, correct, kd = soft_sums(params, cfg, exits, batch, remat, head_ids)
+    per_exit = (1.0 - kd_weight) * ce + kd_weight * kd
+    loss = jnp.sum(w * per_exit) / total_tokens / jnp.sum(w)
+    return loss, (ce, correct, kd)
+
+
+def soft_loss(params: dict, cfg: ModelConfig, exits, batch: dict, weights=None,
+              remat: str = "none", head_ids=None, kd_weight: float = 0.0):
+    """The SoFT objective of one whole batch (soft_objective over its own tokens); plus
+    per-exit means.
+
+    Returns (loss, {"loss", "exit_loss" [E], "exit_acc" [E], "exit_kd" [E], "tokens"}).
+    """
+    weights = weights if weights is not None else (1.0,) * len(exits)
+    tokens = loss_tokens(batch)
+    loss, (ce, correct, kd) = soft_objective(params, cfg, exits, batch, weights, tokens, remat,
+                                             head_ids, kd_weight)
+    return loss, {"loss": loss, "exit_loss": ce / tokens, "exit_acc": correct / tokens,
+                  "exit_kd": kd / tokens, "tokens": tokens}
 
 
 def draft_hf_extra(exits, head_ids=None) -> dict:

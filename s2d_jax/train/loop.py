@@ -1,4 +1,6 @@
-"""The SoFT training loop: build the draft, check the setup, run the jitted step, checkpoint.
+"""The SoFT training loop: `prepare` (build the draft, check the setup, build the step),
+`restore_or_init` (the latest checkpoint or the initial params), `run_steps` (the jitted
+step, metrics, checkpoints, then the hooks of s2d_jax/train/hooks.py); `train` runs all three.
 
 All user-input checks (model path, exits, mesh vs devices, divisibility, data files,
 tokenizer vocabulary) happen before the checkpoint manager is created, so bad input never
@@ -10,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,6 +29,7 @@ from s2d_jax.model.sorted_draft import draft_hf_extra, read_head_vocab, validate
 from s2d_jax.train.config import OptimizerConfig, TrainConfig
 from s2d_jax.train.data import batch_fingerprint, make_train_iterator
 from s2d_jax.train.finite import FiniteWatch
+from s2d_jax.train.hooks import MetricsLog, ProgressBar, close_all, crash_after
 from s2d_jax.parallel.mesh import make_mesh
 from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding,
                                 global_batch, make_init_fn, make_optimizer, make_train_step,
@@ -134,26 +137,7 @@ def _total_steps(tc: TrainConfig, iterator) -> int:
     return int(n)
 
 
-class MetricsLog:
-    """JSONL metrics (process 0 only), flushed each line so a crash loses nothing logged."""
-
-    def __init__(self, path: str):
-        self.f = None
-        if path and jax.process_index() == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.f = open(path, "a")
-
-    def write(self, record: dict) -> None:
-        if self.f:
-            self.f.write(json.dumps(record) + "\n")
-            self.f.flush()
-
-    def close(self) -> None:
-        if self.f:
-            self.f.close()
-
-
-def _record(step, m, dt, tokens, fingerprint, exits) -> dict:
+def metrics_record(step, m, dt, tokens, fingerprint, exits) -> dict:
     """One metrics line; tokens/s counts non-padding tokens since the previous line."""
     return {"step": step, "loss": float(m["loss"]),
             "exit_loss": {str(e): float(x) for e, x in zip(exits, m["exit_loss"])},
@@ -164,17 +148,26 @@ def _record(step, m, dt, tokens, fingerprint, exits) -> dict:
             "batch_fingerprint": fingerprint}
 
 
-def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
-    """Run (or resume) training. Returns {"state", "history", "cfg", "exits", "start_step"}."""
-    maybe_initialize_distributed()
-    cfg, exits, source = resolve_draft(tc)
-    weights = tc.draft.resolved_weights(len(exits))
-    mesh = make_mesh(tc.mesh, devices)
-    check_divisible(cfg, tc.mesh, "model")
-    check_batch(tc)
-    if tc.export_dir and os.path.exists(tc.export_dir) and not tc.export_overwrite:
-        raise S2DError(f"export_dir {tc.export_dir} already exists; remove it, choose another "
-                       f"or set export_overwrite=true")
+@dataclasses.dataclass(frozen=True)
+class PreparedRun:
+    """A training run with all its input checked and its step built; nothing written yet."""
+
+    tc: TrainConfig
+    cfg: ModelConfig
+    exits: tuple[int, ...]
+    source: str | None  # checkpoint dir of the initial params; None = random init
+    mesh: Any
+    iterator: Any  # host batches with get_state / set_state
+    total_steps: int
+    head_ids: tuple[int, ...] | None
+    tx: Any
+    shardings: Any
+    init_fn: Any
+    step_fn: Any
+
+
+def _train_iterator(tc: TrainConfig, cfg: ModelConfig):
+    """This host's batches (synthetic or tokenized files), checked against the draft."""
     tokenizer = None
     if not tc.synthetic_data:
         from s2d_jax.io.tokenizer import load_tokenizer
@@ -185,74 +178,99 @@ def train(tc: TrainConfig, devices=None, progress: bool = True) -> dict:
     iterator = make_train_iterator(tc.data, cfg.vocab_size, tc.synthetic_data,
                                    jax.process_index(), jax.process_count(), tokenizer)
     check_teacher(tc, cfg, iterator)
+    return iterator
+
+
+def prepare(tc: TrainConfig, devices=None) -> PreparedRun:
+    """Check every input (model path, exits, mesh vs devices, divisibility, data files,
+    tokenizer vocabulary) and build the step; touches no checkpoint or output."""
+    maybe_initialize_distributed()
+    cfg, exits, source = resolve_draft(tc)
+    weights = tc.draft.resolved_weights(len(exits))
+    mesh = make_mesh(tc.mesh, devices)
+    check_divisible(cfg, tc.mesh, "model")
+    check_batch(tc)
+    if tc.export_dir and os.path.exists(tc.export_dir) and not tc.export_overwrite:
+        raise S2DError(f"export_dir {tc.export_dir} already exists; remove it, choose another "
+                       f"or set export_overwrite=true")
+    iterator = _train_iterator(tc, cfg)
     total_steps = _total_steps(tc, iterator)
     head_ids = (read_head_vocab(tc.draft.head_vocab, cfg.vocab_size) if tc.draft.head_vocab
                 else None)
-    tx, shardings, init_fn, step_fn = build_step(cfg, exits, weights, tc.optimizer, total_steps,
-                                                  mesh, tc.remat, head_ids, tc.draft.kd_weight)
+    built = build_step(cfg, exits, weights, tc.optimizer, total_steps, mesh, tc.remat, head_ids,
+                       tc.draft.kd_weight)
+    return PreparedRun(tc, cfg, exits, source, mesh, iterator, total_steps, head_ids, *built)
 
+
+def restore_or_init(run: PreparedRun, manager):
+    """(state, start step): the latest checkpoint of `manager` (the data iterator put back
+    where it was), else the initial params at step 0."""
+    restored = (ckpt.restore_latest(manager, abstract_state(run.cfg, run.tx, run.shardings),
+                                    getattr(run.iterator, "state_per_process", True))
+                if manager else None)
+    if restored is None:
+        return run.init_fn(initial_params(run.cfg, run.source, run.mesh, run.tc.seed)), 0
+    state, data_state, start = restored
+    run.iterator.set_state(data_state)
+    return state, start
+
+
+def run_steps(run: PreparedRun, state, start: int, manager=None, hooks=()):
+    """Steps start+1 .. total_steps (or until the data ends): log, checkpoint, then call
+    `hooks` (s2d_jax/train/hooks.py) after each; the last state is saved. Returns
+    (state, history of metrics records)."""
+    tc, watch, history = run.tc, FiniteWatch(), []  # watch: checked before any log or save
+    t_last, tokens_since = time.perf_counter(), 0
+    for step in range(start + 1, run.total_steps + 1):
+        try:
+            host_batch = next(run.iterator)
+        except StopIteration:
+            break
+        state, metrics = run.step_fn(state, global_batch(host_batch, run.mesh))
+        watch.observe(step, metrics)
+        tokens_since += int(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
+        record = None
+        if step % tc.log_every == 0 or step == run.total_steps:
+            watch.check(manager)
+            metrics = jax.device_get(metrics)  # waits for the step: the timing is real
+            now = time.perf_counter()
+            record = metrics_record(step, metrics, now - t_last, tokens_since,
+                                    batch_fingerprint(host_batch), run.exits)
+            t_last, tokens_since = now, 0
+            history.append(record)
+        if manager and (step % tc.checkpoint.save_every == 0 or step == run.total_steps):
+            watch.check(manager)
+            ckpt.save(manager, step, state, run.iterator.get_state())
+        for hook in hooks:
+            hook(step, state, record)
+    if manager:
+        if manager.latest_step() != int(state.step):
+            ckpt.save(manager, int(state.step), state, run.iterator.get_state())
+        manager.wait_until_finished()
+    return state, history
+
+
+def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dict:
+    """Run (or resume) training. Returns {"state", "history", "cfg", "exits", "start_step"}.
+
+    `hooks`: more callables run after each step (s2d_jax/train/hooks.py)."""
+    run = prepare(tc, devices)
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
                                 tc.checkpoint.async_save) if tc.checkpoint.dir else None
-    restored = (ckpt.restore_latest(manager, abstract_state(cfg, tx, shardings),
-                                    getattr(iterator, "state_per_process", True))
-                if manager else None)
-    if restored is not None:
-        state, data_state, start = restored
-        iterator.set_state(data_state)
-    else:
-        params = initial_params(cfg, source, mesh, tc.seed)
-        state, start = init_fn(params), 0
-
-    log = MetricsLog(tc.metrics_path)
-    watch = FiniteWatch()  # checked before anything is logged, saved or exported
-    history = []
-    bar = None
-    if progress and jax.process_index() == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=total_steps, initial=start, desc="soft", dynamic_ncols=True)
+    state, start = restore_or_init(run, manager)
+    bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
+    hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]
+    if tc.stop_after_step:  # debug: simulate a crash right after this step
+        hooks.append(crash_after(tc.stop_after_step, manager))
     try:
-        t_last, tokens_since = time.perf_counter(), 0
-        for step in range(start + 1, total_steps + 1):
-            try:
-                host_batch = next(iterator)
-            except StopIteration:
-                break
-            state, metrics = step_fn(state, global_batch(host_batch, mesh))
-            watch.observe(step, metrics)
-            tokens_since += int(np.sum(host_batch["segment_ids"] > 0)) * jax.process_count()
-            if step % tc.log_every == 0 or step == total_steps:
-                watch.check(manager)
-                metrics = jax.device_get(metrics)  # waits for the step: the timing is real
-                now = time.perf_counter()
-                rec = _record(step, metrics, now - t_last, tokens_since,
-                              batch_fingerprint(host_batch), exits)
-                t_last, tokens_since = now, 0
-                history.append(rec)
-                log.write(rec)
-                if bar:
-                    bar.set_postfix({**{f"L{e}": f"{v:.3f}" for e, v in rec["exit_loss"].items()},
-                                     "tok/s": f"{rec['tokens_per_s']:.0f}"}, refresh=False)
-            if bar:
-                bar.update(1)
-            if manager and (step % tc.checkpoint.save_every == 0 or step == total_steps):
-                watch.check(manager)
-                ckpt.save(manager, step, state, iterator.get_state())
-            if tc.stop_after_step and step == tc.stop_after_step:
-                if manager:
-                    manager.wait_until_finished()
-                os._exit(3)  # debug: simulate a crash right after this step
-        if manager:
-            if manager.latest_step() != int(state.step):
-                ckpt.save(manager, int(state.step), state, iterator.get_state())
-            manager.wait_until_finished()
+        state, history = run_steps(run, state, start, manager, hooks)
     finally:
-        if bar:
-            bar.close()
-        log.close()
+        close_all(hooks)
     if tc.export_dir:
-        export_draft(tc, cfg, exits, state.params, head_ids)
-    return {"state": state, "history": history, "cfg": cfg, "exits": exits, "start_step": start}
+        export_draft(tc, run.cfg, run.exits, state.params, run.head_ids)
+    return {"state": state, "history": history, "cfg": run.cfg, "exits": run.exits,
+            "start_step": start}
 
 
 def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None) -> None:

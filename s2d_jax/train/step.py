@@ -1,9 +1,10 @@
 """Train state, optimizer, shardings and the one jitted SoFT training step.
 
 The step is a single `jax.jit` with explicit in/out shardings from the mesh and the state
-donated. Gradient accumulation is a `lax.scan` over micro-batches inside the step; the
-loss is normalised by the token count of the whole global batch, so accumulating
-A micro-batches gives the same update as one batch A times larger.
+donated; its loss is sorted_draft.soft_objective. Gradient accumulation
+(`accumulate_gradients`) is a `lax.scan` over micro-batches inside the step; the loss is
+normalised by the token count of the whole global batch, so accumulating A micro-batches
+gives the same update as one batch A times larger.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.parallel.mesh import partition_spec
-from s2d_jax.model.sorted_draft import soft_sums
+from s2d_jax.model.sorted_draft import loss_tokens, soft_objective
 from s2d_jax.train.config import OptimizerConfig
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
@@ -113,57 +114,65 @@ def make_init_fn(tx, shardings: TrainState):
     return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)
 
 
+def accumulate_gradients(grad_fn, params, batch: dict, total_tokens, steps: int,
+                         micro_sharding: NamedSharding, grad_shardings):
+    """The ((loss, metric sums), grads) of `grad_fn(params, micro_batch, total_tokens)` (a
+    value_and_grad with aux) summed over `steps` micro-batches of `batch`: a `lax.scan`, one
+    micro-batch live at a time. Every micro-batch loss is already divided by the whole
+    batch's `total_tokens`, so the sums equal one pass over the whole batch. The gradients accumulate in float32,
+    sharded like the params (`grad_shardings`), and come back in the params' dtypes."""
+    if steps == 1:
+        return grad_fn(params, batch, total_tokens)
+
+    # Row r*A + a goes to micro-batch a: each micro-batch keeps an even share of every
+    # device's rows, so splitting needs no communication.
+    def split(x):
+        B = x.shape[0]
+        x = x.reshape(B // steps, steps, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+    micro = {k: split(v) for k, v in batch.items()}
+    # Float32 zeros shaped like grad_fn's ((loss, metric sums), grads): the sums' carry.
+    one = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), total_tokens)
+    init = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), one)
+
+    def body(acc, mb):
+        out = grad_fn(params, mb, total_tokens)
+        (loss, sums), g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, out)
+        # Keep the float32 accumulator sharded like the params (not gathered).
+        g_acc = jax.lax.with_sharding_constraint(g_acc, grad_shardings)
+        return ((loss, sums), g_acc), None
+
+    (value, grads), _ = jax.lax.scan(body, init, micro)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    return value, grads
+
+
 def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[float, ...], tx,
                     schedule, mesh: Mesh, shardings: TrainState, grad_accum_steps: int = 1,
                     remat: str = "none", frozen: tuple[str, ...] = (),
                     head_ids: tuple[int, ...] | None = None, kd_weight: float = 0.0):
-    """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics).
+    """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics); its loss
+    is sorted_draft.soft_objective.
 
     `frozen`: param paths whose gradients are not computed (see make_optimizer);
     `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums); `kd_weight`: the
     share of distillation on the target's distribution (batches then carry TEACHER_KEY)."""
-    w = jnp.asarray(weights, jnp.float32)
-    A = grad_accum_steps
     micro_sharding = NamedSharding(mesh, partition_spec((None, "batch", "seq")))
     head = None if head_ids is None else np.asarray(head_ids, np.int32)
 
     def loss_fn(params, micro, total_tokens):
-        params = stop_frozen_gradients(params, frozen)
-        ce, correct, kd = soft_sums(params, cfg, exits, micro, remat,
-                                    None if head is None else jnp.asarray(head))
-        per_exit = (1.0 - kd_weight) * ce + kd_weight * kd
-        loss = jnp.sum(w * per_exit) / total_tokens / jnp.sum(w)
-        return loss, (ce, correct, kd)
+        return soft_objective(stop_frozen_gradients(params, frozen), cfg, exits, micro, weights,
+                              total_tokens, remat, None if head is None else jnp.asarray(head),
+                              kd_weight)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step(state: TrainState, batch: dict):
-        total_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-        if A == 1:
-            (loss, (ce, correct, kd)), grads = grad_fn(state.params, batch, total_tokens)
-        else:
-            # Row r*A + a goes to micro-batch a: each micro-batch keeps an even share of
-            # every device's rows, so splitting needs no communication.
-            def split(x):
-                B = x.shape[0]
-                x = x.reshape(B // A, A, *x.shape[1:]).swapaxes(0, 1)
-                return jax.lax.with_sharding_constraint(x, micro_sharding)
-
-            micro = {k: split(v) for k, v in batch.items()}
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            E = len(exits)
-            init = (zeros, jnp.zeros(()), jnp.zeros((E,)), jnp.zeros((E,)), jnp.zeros((E,)))
-
-            def body(carry, mb):
-                g_acc, l_acc, ce_acc, c_acc, kd_acc = carry
-                (l, (ce, c, kd)), g = grad_fn(state.params, mb, total_tokens)
-                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-                # Keep the float32 accumulator sharded like the params (not gathered).
-                g_acc = jax.lax.with_sharding_constraint(g_acc, shardings.params)
-                return (g_acc, l_acc + l, ce_acc + ce, c_acc + c, kd_acc + kd), None
-
-            (grads, loss, ce, correct, kd), _ = jax.lax.scan(body, init, micro)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        total_tokens = loss_tokens(batch)
+        (loss, (ce, correct, kd)), grads = accumulate_gradients(
+            grad_fn, state.params, batch, total_tokens, grad_accum_steps, micro_sharding,
+            shardings.params)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
