@@ -98,3 +98,24 @@ def test_diverging_learning_rate_stops_before_any_bad_checkpoint(config, capsys)
     step = int(re.search(r"diverged at step (\d+) \(loss \S+, gradient norm \S+\)", err).group(1))
     assert all(int(s) < step for s in os.listdir(d / "ck")), (err, os.listdir(d / "ck"))
     assert not (d / "hf").exists()
+
+
+class EndsAfter(PoisonedBatch):
+    """The poisoned iterator that runs out of data right after the poisoned batch."""
+
+    def __next__(self):
+        if self.n == self.at:
+            raise StopIteration
+        return super().__next__()
+
+
+def test_nan_in_the_last_batch_before_the_data_ends_is_not_saved_or_exported(config, capsys,
+                                                                             monkeypatch):
+    """Step 5 is the last (the data ends), between log and checkpoint boundaries: the final
+    save and the export must still check it."""
+    d, cfg = config
+    real = loop.make_train_iterator
+    monkeypatch.setattr(loop, "make_train_iterator", lambda *a, **k: EndsAfter(real(*a, **k), 5))
+    err = cli_error(soft.main, capsys, _args(d, cfg))
+    assert re.search(r"diverged at step 5 \(loss nan", err), err
+    assert sorted(os.listdir(d / "ck")) == ["2", "4"] and not (d / "hf").exists()

@@ -243,6 +243,7 @@ def run_steps(run: PreparedRun, state, start: int, manager=None, hooks=()):
             ckpt.save(manager, step, state, run.iterator.get_state())
         for hook in hooks:
             hook(step, state, record)
+    watch.check(manager)  # the data may end between boundaries: never save or export NaN
     if manager:
         if manager.latest_step() != int(state.step):
             ckpt.save(manager, int(state.step), state, run.iterator.get_state())
