@@ -5,6 +5,8 @@ import json
 import os
 import shlex
 
+import pytest
+
 from infer import agreement
 from tiny_models import cli_error
 from train import smollm2_draft
@@ -19,6 +21,7 @@ class Args:
         self.__dict__.update(kw)
 
 
+@pytest.mark.slow  # CI time: two drafts' agreement measured end to end
 def test_choose_exits_keeps_the_measurably_better_prefix(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(smollm2_draft, "CALIBRATION_PROMPTS",
                         os.path.join(ROOT, "data", "demo_calibration.jsonl"))

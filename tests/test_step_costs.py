@@ -39,7 +39,9 @@ def _breakdown(exits, head_ids=None):
                                 max_len=256, samples=5, steps=128)
 
 
-@pytest.mark.parametrize("exits,head_ids", [((1, 2, 4), np.arange(0, 4096, 3)),
+# (1, 2, 4) with a head is slow (CI time); (2, 4) checks every item in the fast set
+@pytest.mark.parametrize("exits,head_ids", [pytest.param((1, 2, 4), np.arange(0, 4096, 3),
+                                                         marks=pytest.mark.slow),
                                             ((2, 4), None)])
 def test_breakdown_has_every_item_for_every_exit(exits, head_ids):
     d = _breakdown(exits, head_ids)
@@ -89,6 +91,7 @@ def test_bad_settings_are_errors_before_any_compilation(exits, kw, match):
                              **{"max_len": 256, **kw})
 
 
+@pytest.mark.slow  # CI time: a whole bench run; draft_step_breakdown itself is tested fast above
 def test_bench_step_breakdown_goes_into_the_report(tmp_path, capsys):
     family = export_tiny_family(tmp_path)
     out = tmp_path / "out"

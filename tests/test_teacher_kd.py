@@ -141,6 +141,7 @@ def test_kd_is_the_cross_entropy_to_the_targets_distribution(head):
     assert float(soft_sums(p, cfg, (1, 3), batch, head_ids=hid)[2].sum()) == 0.0
 
 
+@pytest.mark.slow  # CI time: a training run; the KD loss itself is tested fast above
 def test_training_on_the_targets_distribution_lowers_kd(target, tmp_path):
     d, _ = target
     rows = write_rows(tmp_path / "rows.jsonl", [40, 50, 60, 30])

@@ -83,6 +83,8 @@ def test_one_device_and_2x2x2_mesh_agree(tmp_path, one_device_run):
             np.testing.assert_allclose(b["exit_loss"][e], a["exit_loss"][e], atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # CI time: two training runs; tests/test_soft_objective.py checks an accumulated
+# step's loss and gradient norm against the whole batch's objective in the fast set
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     a1 = run(synthetic_config(tmp_path, "optimizer.total_steps=4"), 1)
     a4 = run(synthetic_config(tmp_path, "optimizer.total_steps=4",
