@@ -133,11 +133,11 @@ def test_serving_config_roundtrip_and_refusals(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [serving_config.SERVING_CONFIG]  # no temp left
     assert serving_config.load_serving_config(str(tmp_path))["stop_threshold"] == 0.0  # default
     (tmp_path / serving_config.SERVING_CONFIG).write_text('{"thresholds": [2.0], "gamma": 3}')
-    with pytest.raises(S2DError, match="outside"):
+    with pytest.raises(S2DError, match=r"thresholds must lie in \[0, 1\]"):
         serving_config.load_serving_config(str(tmp_path))
     (tmp_path / serving_config.SERVING_CONFIG).write_text(
         '{"thresholds": [0.0], "gamma": 3, "stop_threshold": 1.5}')
-    with pytest.raises(S2DError, match="stop_threshold outside"):
+    with pytest.raises(S2DError, match=r"stop threshold must lie in \[0, 1\]"):
         serving_config.load_serving_config(str(tmp_path))
     (tmp_path / serving_config.SERVING_CONFIG).write_text("not json")
     with pytest.raises(S2DError, match="not a valid serving config"):

@@ -21,9 +21,11 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
+from s2d_jax.decode.checks import check_thresholds
 from s2d_jax.decode.defaults import round_up
 from s2d_jax.decode.serving import Decoder
 from s2d_jax.decode.serving_config import resolve
+from s2d_jax.model.exits import exits_problem
 
 METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal")
 
@@ -93,9 +95,12 @@ def parse_s2d_setting(text: str, draft_exits: Sequence[int] | None = None) -> Me
     except ValueError:
         raise S2DError(f"--s2d-setting {text!r} is not {form}") from None
     allowed = set(exits) if draft_exits is None else set(int(e) for e in draft_exits)
-    if (len(thresholds) != len(exits) or not set(exits) <= allowed
-            or list(exits) != sorted(set(exits)) or gamma < 1
-            or not all(0.0 <= t <= 1.0 for t in thresholds)):
+    try:  # the rules every flag obeys (model/exits.py, decode/checks.py)
+        check_thresholds(thresholds, exits)
+        bad = exits_problem(exits) or not set(exits) <= allowed or gamma < 1
+    except S2DError:
+        bad = True
+    if bad:
         raise S2DError(f"--s2d-setting {text!r}: give ascending exits of the draft "
                        f"{sorted(allowed)}, one threshold in [0, 1] per exit and gamma "
                        f">= 1 ({form})")

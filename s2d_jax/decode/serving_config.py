@@ -17,8 +17,10 @@ import json
 import os
 from typing import Sequence
 
+from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
 from s2d_jax.decode.defaults import max_gamma
 from s2d_jax.errors import S2DError
+from s2d_jax.model.exits import exits_problem
 from s2d_jax.io.atomic import write_atomic
 from s2d_jax.readers import read_text
 
@@ -41,25 +43,25 @@ def load_serving_config(target_dir: str, context: int | None = None) -> dict | N
     if not os.path.isfile(path):
         return None
     text = read_text(path, "serving config")
+    rerun = "rerun python -m infer.calibrate"
     try:
         cfg = json.loads(text)  # a JSONDecodeError is a ValueError
-        th = [float(t) for t in cfg["thresholds"]]
-        gamma, exits = cfg["gamma"], cfg.get("exits")
-        stop = float(cfg.get("stop_threshold", 0.0))
-        if not _is_count(gamma) or not (exits is None or isinstance(exits, list) and
-                                        all(_is_count(e) for e in exits)):
+        thresholds, gamma, exits = cfg["thresholds"], cfg["gamma"], cfg.get("exits")
+        if not _is_count(gamma) or not isinstance(thresholds, list) or not thresholds:
             raise TypeError
     except (KeyError, TypeError, ValueError, AttributeError):
         raise S2DError(f"{path} is not a valid serving config (needs 'thresholds': numbers, "
                        f"'gamma': an integer >= 1, optional 'exits': integers); delete it or "
-                       f"rerun python -m infer.calibrate")
-    if (not th or any(not 0.0 <= t <= 1.0 for t in th) or gamma < 1
-            or not 0.0 <= stop <= 1.0):
-        raise S2DError(f"{path} has thresholds or stop_threshold outside [0, 1] or gamma < 1; "
-                       f"rerun python -m infer.calibrate")
-    if exits and any(a >= b for a, b in zip(exits, exits[1:])):
-        raise S2DError(f"{path}: exits {exits} are not ascending layer counts; rerun python "
-                       f"-m infer.calibrate")
+                       f"{rerun}")
+    why = None if exits is None else exits_problem(exits)
+    if why:
+        raise S2DError(f"{path} is not a valid serving config: its exits {exits!r}: {why}; "
+                       f"{rerun}")
+    try:  # the rules every flag and call obeys (decode/checks.py)
+        th = list(check_thresholds(thresholds, thresholds if exits is None else exits))
+        stop = check_stop_threshold(cfg.get("stop_threshold", 0.0))
+    except S2DError as e:
+        raise S2DError(f"{path}: {e}; {rerun}") from None
     if context is not None and gamma > max_gamma(context):
         raise S2DError(f"{path}: gamma {gamma} does not fit the context of the models "
                        f"({context} positions, max_position_embeddings); rerun python -m "
