@@ -19,7 +19,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.drafting import with_exit_segments
@@ -28,8 +27,7 @@ from s2d_jax.decode.sampling import probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
 from s2d_jax.errors import S2DError
 from s2d_jax.model import small_matmul, transformer as model
-from s2d_jax.model.kvcache import init_cache
-from s2d_jax.parallel.mesh import CACHE_AXES, spec as logical_spec
+from s2d_jax.model.kvcache import cache_sharding, init_cache
 
 STATIC = ("draft_cfg", "target_cfg", "spec", "mesh", "mid_cfgs")
 
@@ -39,8 +37,7 @@ def _place_cache(cache, mesh):
     heads over tensor); the while loop then keeps that layout. No-op without a mesh."""
     if mesh is None or cache is None:
         return cache
-    sharding = NamedSharding(mesh, logical_spec(CACHE_AXES))
-    pin = functools.partial(jax.lax.with_sharding_constraint, shardings=sharding)
+    pin = functools.partial(jax.lax.with_sharding_constraint, shardings=cache_sharding(mesh))
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
@@ -62,7 +59,7 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
     tcache = _place_cache(init_cache(target_cfg, B, S), mesh)
     h = model.embed_tokens(target_params, target_cfg, prompts)
     h, tcache = model.run_layers(target_params, target_cfg, h, positions, 0,
-                                 target_cfg.num_layers, tcache, fresh=True)
+                                 target_cfg.num_layers, tcache)
     # Only the last prompt token's logits are needed: the head runs on one row, not P.
     h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
     last_logits = model.lm_logits(target_params, target_cfg, h_last, decode=True)[:, 0]
@@ -74,13 +71,12 @@ def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams
         dcache = _place_cache(init_cache(draft_cfg, B, S), mesh)
         h = model.embed_tokens(draft_params, draft_cfg, prompts)
         _, dcache = model.run_layers(draft_params, draft_cfg, h, positions, 0,
-                                     spec.exits[-1], dcache, fresh=True)
+                                     spec.exits[-1], dcache)
     mid_caches = []
     for mp, mc in zip(mid_params, mid_cfgs):
         mcache = _place_cache(init_cache(mc, B, S), mesh)
         hm = model.embed_tokens(mp, mc, prompts)
-        mid_caches.append(model.run_layers(mp, mc, hm, positions, 0, mc.num_layers, mcache,
-                                           fresh=True)[1])
+        mid_caches.append(model.run_layers(mp, mc, hm, positions, 0, mc.num_layers, mcache)[1])
 
     valid = jnp.arange(P)[None, :] < prompt_lens[:, None]
     tokens = jnp.zeros((B, S), jnp.int32).at[:, :P].set(jnp.where(valid, prompts, 0))
