@@ -65,8 +65,8 @@ def test_draft_step_fills_skipped_layers_from_the_exit_hidden_state():
     history = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, P)), jnp.int32)
     cache = init_cache(CFG, B, S)
     hist_pos = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    _, cache = model.run_layers(p, CFG, model.embed_tokens(p, CFG, history), hist_pos, 0, 4,
-                                cache)
+    _, cache = model.decode_layers(p, CFG, model.embed_tokens(p, CFG, history), hist_pos, 0, 4,
+                                   cache)
     # The draft step feeds two tokens, as its first step in a round does.
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, 2)), jnp.int32)
     positions = jnp.asarray([[P, P + 1], [P - 1, P]], jnp.int32)
@@ -78,8 +78,8 @@ def test_draft_step_fills_skipped_layers_from_the_exit_hidden_state():
     assert np.asarray(exit_idx).tolist() == [0, 0] == np.asarray(exit_full).tolist()
 
     # Directly: the exit's hidden state (layer 0 over the same cache), then the projection.
-    h_exit, _ = model.run_layers(p, CFG, model.embed_tokens(p, CFG, tokens), positions, 0, 1,
-                                 cache)
+    h_exit, _ = model.decode_layers(p, CFG, model.embed_tokens(p, CFG, tokens), positions, 0, 1,
+                                    cache)
     pos = np.asarray(positions)
     for layer in SKIPPED:
         k_want, v_want = calm_kv(p, h_exit, positions, layer)
@@ -131,7 +131,7 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
         h_exit = first_layer(jnp.asarray(seq[:fed[-1] + 1], jnp.int32))[:, fed]
         true_h = model.embed_tokens(p, CFG, jnp.asarray(seq[:fed[-1] + 1])[None])
         cache_true = init_cache(CFG, 1, spec.max_len)
-        _, cache_true = model.run_layers(
+        _, cache_true = model.decode_layers(
             p, CFG, true_h, jnp.arange(fed[-1] + 1, dtype=jnp.int32)[None], 0, 4, cache_true)
         for layer in SKIPPED:
             k_want, v_want = calm_kv(p, h_exit, jnp.asarray(fed)[None], layer)

@@ -12,8 +12,8 @@ import pytest
 
 from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
 from s2d_jax.model.kvcache import init_cache
-from s2d_jax.model.transformer import (abstract_params, embed_tokens, forward, lm_logits, param_shapes,
-                           run_layers)
+from s2d_jax.model.transformer import (abstract_params, decode_layers, embed_tokens, forward,
+                                      lm_logits, param_shapes, run_layers)
 from tiny_models import numpy_params
 
 MODELS = os.path.join(os.path.dirname(__file__), "..", "configs", "models")
@@ -28,7 +28,9 @@ random_params = functools.partial(numpy_params, std=0.2, norm_jitter=0.5)
 
 @functools.partial(jax.jit, static_argnums=(1, 4, 5))
 def _run(params, cfg, h, positions, start, end, cache=None):
-    return run_layers(params, cfg, h, positions, start, end, cache)
+    if cache is None:
+        return run_layers(params, cfg, h, positions, start, end)
+    return decode_layers(params, cfg, h, positions, start, end, cache)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +80,12 @@ def test_layer_ranges_compose_with_cache(setup, a=2, b=5):
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
-def test_fresh_prefill_equals_the_cached_one(setup, cache_dtype):
-    """fresh=True (attend within the call, causally) = attending over every cache slot:
-    same hidden states, same stored keys/values, and the next decode step agrees."""
+def test_prefill_equals_the_cached_one(setup, cache_dtype):
+    """A prefill (run_layers with a cache: attend within the call, causally) = decode_layers
+    attending over every cache slot: same hidden states, same stored keys/values, and the
+    next decode step agrees."""
     params, _, h, positions = setup
-    fresh_run = jax.jit(functools.partial(run_layers, cfg=CFG, start=0, end=6, fresh=True))
+    fresh_run = jax.jit(functools.partial(run_layers, cfg=CFG, start=0, end=6))
     outs = []
     for prefill in (lambda c: _run(params, CFG, h[:, :7], positions[:, :7], 0, 6, c),
                     lambda c: fresh_run(params, h=h[:, :7], positions=positions[:, :7],
@@ -141,7 +144,7 @@ def test_vicuna_param_counts(name, billions):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_init_follows_the_param_table(tied):
-    """The modules' init: exactly the table's tree and shapes, normal(std) matrices drawn
+    """The init: exactly the table's tree and shapes, normal(std) matrices drawn
     independently per layer, unit norms, the logical axes of each row (plus "layers")."""
     from s2d_jax.model.params import active_params, stored_shape
     from s2d_jax.model.transformer import init_params, logical_param_specs
@@ -163,6 +166,26 @@ def test_init_follows_the_param_table(tied):
             assert abs(x.std() - 0.05) < 0.01 and abs(x.mean()) < 0.01
             if row.stacked:
                 assert not np.allclose(x[0], x[1])
+
+
+def test_init_draws_what_the_linen_modules_drew():
+    """A seed gives the weights it gave when the model was Flax Linen modules, bit for bit
+    (values read off that init, seed 0): the demo family is trained from a seeded init,
+    so a changed key derivation would silently change every model built from scratch."""
+    from s2d_jax.model.transformer import init_params
+
+    cfg = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=12, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=4, dtype="float32",
+                      param_dtype="float32", tie_word_embeddings=False)
+    params = init_params(cfg, jax.random.key(0))
+    want = {  # (first two values, the last layer's last value)
+        "embed": ([0.0015228500124067068, -0.03231491893529892], -0.0006722758407704532),
+        "lm_head": ([0.02603146992623806, 0.018222035840153694], -0.005474050063639879),
+        "wq": ([-0.018258681520819664, -0.004337095655500889], 0.014007273130118847),
+        "w_down": ([0.0025520711205899715, -0.034244388341903687], -0.018970942124724388)}
+    for name, (first, last) in want.items():
+        x = np.asarray(params["layers"][name] if name[0] == "w" else params[name])
+        assert x.reshape(-1)[:2].tolist() == first and x.reshape(len(x), -1)[-1, -1] == last, name
 
 
 def test_param_shardings_follow_the_rules():
@@ -190,11 +213,11 @@ def test_block_attention_equals_whole_buffer_attention(block, positions):
     S, B = 15, 2
     hist = jax.random.normal(jax.random.key(3), (B, 11, CFG.hidden_size))
     cache = init_cache(CFG, B, S)
-    _, cache = run_layers(params, CFG, hist, jnp.broadcast_to(jnp.arange(11), (B, 11)), 0, 6,
-                          cache)  # slots 0-10 of both rows hold keys/values
+    _, cache = decode_layers(params, CFG, hist, jnp.broadcast_to(jnp.arange(11), (B, 11)), 0, 6,
+                             cache)  # slots 0-10 of both rows hold keys/values
     h = jax.random.normal(jax.random.key(4), (B, 3, CFG.hidden_size))
     positions = jnp.asarray(positions, jnp.int32)
-    step = jax.jit(run_layers, static_argnames=("cfg", "start", "end", "attention_block"))
+    step = jax.jit(decode_layers, static_argnames=("cfg", "start", "end", "attention_block"))
     outs = {b: step(params, CFG, h, positions, 0, 6, cache, attention_block=b)
             for b in (block, S)}
     (got, got_cache), (want, want_cache) = outs[block], outs[S]

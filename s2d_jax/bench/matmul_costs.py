@@ -25,7 +25,7 @@ from s2d_jax.model import small_matmul
 from s2d_jax.model import transformer as model
 from s2d_jax.model.kvcache import init_cache
 
-# name -> einsum of the block (x's letters, then the weight's) as transformer.Block runs it
+# name -> einsum of the block (x's letters, then the weight's) as model.block.block runs it
 PROJECTIONS = {"wq": "BTD,DNH->BTNH", "wk": "BTD,DKH->BTKH", "wv": "BTD,DKH->BTKH",
                "wo": "BTNH,NHD->BTD", "w_gate": "BTD,DF->BTF", "w_up": "BTD,DF->BTF",
                "w_down": "BTF,FD->BTD"}

@@ -71,7 +71,7 @@ def _segment_loop(params, cache, h, pos, n, *, cfg, exits, i):
 
     def body(j, carry):
         h, cache = carry
-        return model.run_layers(params, cfg, h, pos + j, lo, hi, cache, layers=seg)
+        return model.decode_layers(params, cfg, h, pos + j, lo, hi, cache, layers=seg)
 
     return jax.lax.fori_loop(0, n, body, (h, cache))
 

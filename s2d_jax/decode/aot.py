@@ -22,8 +22,8 @@ from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.transformer import param_shardings
 from s2d_jax.decode.hlo_copies import cache_traffic
-from s2d_jax.parallel.mesh import cache_sharding
-from s2d_jax.parallel.memory import cache_bytes, cache_shape, tree_bytes, tree_bytes_per_device
+from s2d_jax.model.kvcache import cache_bytes, cache_shape, cache_sharding
+from s2d_jax.parallel.memory import tree_bytes, tree_bytes_per_device
 from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
 

@@ -65,9 +65,7 @@ def calm_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarr
     otherwise replace its prefill K/V)."""
     lp = model.layer_slice(params, start, end) if layers is None else layers
     dt = h.dtype
-    x32 = h.astype(jnp.float32)
-    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + cfg.rms_norm_eps))
-    x = lp["attn_norm"].astype(dt)[:, None, None, :] * normed.astype(dt)[None]  # [L, B, T, D]
+    x = model.rms_norm(h, lp["attn_norm"][:, None, None, :], cfg.rms_norm_eps)  # [L, B, T, D]
     k = jnp.einsum("LBTD,LDKH->BTLKH", x, lp["wk"].astype(dt))
     v = jnp.einsum("LBTD,LDKH->LBTKH", x, lp["wv"].astype(dt))
     B, T, L, K, H = k.shape
@@ -99,8 +97,8 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
     m = len(exits)
     B = tokens.shape[0]
     h = model.embed_tokens(params, cfg, tokens)
-    h, (k, v) = model.run_layers(params, cfg, h, positions, 0, exits[0], cache,
-                                 layers=_segment(params, exits, 0), defer_writes=True)
+    h, (k, v) = model.decode_layers(params, cfg, h, positions, 0, exits[0], cache,
+                                    layers=_segment(params, exits, 0), defer_writes=True)
     ks, vs, ps = [k], [v], [jnp.broadcast_to(positions, k.shape[:3])]
     logits = model.lm_logits(params, cfg, h[:, -1], decode=True)
     conf = confidence(logits, sp, conf_kind)
@@ -112,8 +110,8 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
         lo, hi, seg = exits[i - 1], exits[i], _segment(params, exits, i)
 
         def deeper(h, lo=lo, hi=hi, seg=seg):
-            h, (k, v) = model.run_layers(params, cfg, h, positions, lo, hi, cache,
-                                         layers=seg, defer_writes=True)
+            h, (k, v) = model.decode_layers(params, cfg, h, positions, lo, hi, cache,
+                                            layers=seg, defer_writes=True)
             return h, k, v, jnp.broadcast_to(positions, k.shape[:3]), \
                 model.lm_logits(params, cfg, h[:, -1], decode=True)
 

@@ -8,7 +8,7 @@ the static Chain (chain.py: the configs, the SpecConfig, the mesh) and the param
 
 Public entry points (all pure; `chain` is the one static argument, so each function
 compiles once per chain and shapes; params keep the sharding they arrive with, caches are
-pinned to the mesh by CACHE_AXES):
+pinned to the mesh by kvcache.CACHE_AXES):
   generate(...)      -> GenState   whole generation in one jit
   prefill(...)       -> GenState   then decode_chunk(state, ...) -> GenState, donated;
                                    used for streaming and for the in-loop cost probes
@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
 from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import with_exit_segments
@@ -29,8 +28,7 @@ from s2d_jax.decode.sampling import probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats
 from s2d_jax.errors import S2DError
 from s2d_jax.model import transformer as model
-from s2d_jax.model.kvcache import init_cache
-from s2d_jax.parallel.mesh import CACHE_AXES, partition_spec
+from s2d_jax.model.kvcache import cache_sharding, init_cache
 
 
 def _place_cache(cache, mesh):
@@ -38,8 +36,7 @@ def _place_cache(cache, mesh):
     heads over tensor); the while loop then keeps that layout. No-op without a mesh."""
     if mesh is None or cache is None:
         return cache
-    sharding = NamedSharding(mesh, partition_spec(CACHE_AXES))
-    pin = functools.partial(jax.lax.with_sharding_constraint, shardings=sharding)
+    pin = functools.partial(jax.lax.with_sharding_constraint, shardings=cache_sharding(mesh))
     return cache.replace(k=pin(cache.k), v=pin(cache.v))
 
 
@@ -49,7 +46,7 @@ def _prefill_level(params, cfg, prompts, positions, max_len: int, mesh):
     deepest exit, Chain) -> (hidden states [B, P, D] after the last layer, cache)."""
     cache = _place_cache(init_cache(cfg, prompts.shape[0], max_len), mesh)
     h = model.embed_tokens(params, cfg, prompts)
-    return model.run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache, fresh=True)
+    return model.run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache)
 
 
 def _first_token(target_params, cfg, h, prompt_lens, dp: DecodeParams, key):

@@ -14,10 +14,35 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from s2d_jax.config import ModelConfig
-from s2d_jax.parallel.memory import cache_shape
+from s2d_jax.parallel.memory import sharded_bytes
+from s2d_jax.parallel.mesh import logical_to_mesh_sharding
+
+# The logical axes of K and V, which `parallel/mesh.py`'s rules map to the mesh.
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
+    """Shape of one of a KV cache's K and V arrays, in the order CACHE_AXES names."""
+    return (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+
+
+def cache_sharding(mesh):
+    """KV cache [L, B, K, S, H] on `mesh`: rows over data x fsdp, kv heads over tensor."""
+    return logical_to_mesh_sharding(P(*CACHE_AXES), mesh)
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, mesh=None) -> tuple[int, int]:
+    """(total, per-device) bytes of one model's K and V caches for `batch` rows."""
+    shape = cache_shape(cfg, batch, max_len)
+    total = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(cfg.dtype).itemsize
+    if mesh is None:
+        return total, total
+    return total, 2 * sharded_bytes(shape, cfg.dtype, cache_sharding(mesh))
 
 
 @struct.dataclass
@@ -44,6 +69,15 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
     shape = cache_shape(cfg, batch, max_len)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def write_slots(k_buf, v_buf, layer, positions, k, v):
+    """K/V buffers [L, B, K, S, H] with k, v [B, T, K, H] written to layer `layer` at slots
+    == positions [B, T] (slots past the cache are skipped), in place."""
+    B, T = positions.shape
+    bidx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return (k_buf.at[layer, bidx, :, positions].set(k.astype(k_buf.dtype), mode="drop"),
+            v_buf.at[layer, bidx, :, positions].set(v.astype(v_buf.dtype), mode="drop"))
 
 
 def write_layers(cache: KVCache, start: int, k: jnp.ndarray, v: jnp.ndarray,

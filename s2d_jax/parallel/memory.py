@@ -1,12 +1,10 @@
-"""Per-device byte counts of sharded pytrees and KV caches (what an AOT report adds up)."""
+"""Per-device byte counts of sharded arrays and pytrees (what an AOT report adds up; the KV
+cache's own shape and count live in model/kvcache.py)."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
-
-from s2d_jax.config import ModelConfig
-from s2d_jax.parallel.mesh import cache_sharding
 
 
 def sharded_bytes(shape, dtype, sharding) -> int:
@@ -25,21 +23,6 @@ def tree_bytes_per_device(tree) -> int:
 def tree_bytes(tree) -> int:
     return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
-
-
-def cache_shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
-    """Shape of one of a KV cache's K and V arrays (model/kvcache.py), laid out as
-    mesh.CACHE_AXES names its axes."""
-    return (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-
-
-def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, mesh=None) -> tuple[int, int]:
-    """(total, per-device) bytes of one model's K and V caches for `batch` rows."""
-    shape = cache_shape(cfg, batch, max_len)
-    total = 2 * int(np.prod(shape, dtype=np.int64)) * np.dtype(cfg.dtype).itemsize
-    if mesh is None:
-        return total, total
-    return total, 2 * sharded_bytes(shape, cfg.dtype, cache_sharding(mesh))
 
 
 def addressable_bytes(tree, device) -> int:

@@ -11,7 +11,7 @@ import math
 
 import jax
 import flax.linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
@@ -89,11 +89,3 @@ def check_divisible(cfg: ModelConfig, mc: MeshConfig, what: str = "model") -> No
     if cfg.hidden_size % mc.fsdp:
         raise S2DError(f"mesh fsdp={mc.fsdp} does not divide {what}.hidden_size="
                        f"{cfg.hidden_size}; choose an fsdp size dividing it")
-
-
-CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-
-
-def cache_sharding(mesh):
-    """KV cache [L, B, K, S, H]: rows over data x fsdp, kv heads over tensor."""
-    return NamedSharding(mesh, partition_spec(CACHE_AXES))

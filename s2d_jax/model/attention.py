@@ -1,0 +1,96 @@
+"""Attention of a decoder block: causal within a call (training, prefill) and over a KV
+cache's slots, block by block (decode steps, verify windows).
+
+Einsum letters: B batch, T query tokens, S key slots, K kv heads, G query heads per kv
+head, N query heads, H head dim, C slots in a block, L layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from s2d_jax.config import ModelConfig
+
+# Slots a decode step's attention reads per block. The cache is a static buffer (max_len
+# slots) but a row's keys end at its position: blocks past the batch's last position are
+# not read at all (on a 2-core CPU, SmolLM2-135M, 450 of 1280 slots held: the attention of
+# a step took 0.54 of its whole-buffer time).
+ATTENTION_BLOCK = 256
+
+
+def causal_mask(batch: int, tokens: int, segment_ids: jnp.ndarray | None = None) -> jnp.ndarray:
+    """[B, T, T], True where query t may attend to key s: s <= t (and, for packed training
+    rows, s in t's `segment_ids` segment)."""
+    tpos = jnp.arange(tokens)
+    mask = tpos[None, :, None] >= tpos[None, None, :]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return jnp.broadcast_to(mask, (batch, tokens, tokens))
+
+
+def attention(q, k, v, mask, cfg: ModelConfig):
+    """q [B,T,N,H], k/v [B,S,K,H], mask [B,T,S] (True = may attend) -> [B,T,N,H]."""
+    B, T, _, H = q.shape
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k) * (H ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(B, T, cfg.num_heads, H)
+
+
+def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, new_kv=None):
+    """Attention of q [B,T,N,H] at positions [B,T] to the slots <= position of cache layer
+    `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H]. `new_kv`: (k, v) [B,T,K,H] of the query
+    tokens, not yet written to the cache: each block read is patched with them as if they
+    had been (the caller writes them later, outside a `lax.cond` that must not copy it).
+
+    Block by block over the slots up to the batch's largest position, with a running
+    softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
+    one softmax over every slot, up to float rounding. block >= S is one block."""
+    B, T, _, H = q.shape
+    S = kc.shape[3]
+    C = min(block, S)
+    q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
+    neg = jnp.finfo(jnp.float32).min
+    n_blocks = jnp.minimum(jnp.max(positions), S - 1) // C + 1
+
+    def body(c, carry):
+        m, norm, acc = carry
+        lo = c * C
+        start = jnp.minimum(lo, S - C)  # the last block may overlap the one before it
+        kb, vb = _read_block(kc, vc, layer, start, C, q.dtype, positions, new_kv)
+        slots = start + jnp.arange(C)
+        ok = (slots[None, None, :] >= lo) & (slots[None, None, :] <= positions[:, :, None])
+        ok = ok[:, None, None]  # [B, 1, 1, T, C]
+        s = jnp.einsum("BTKGH,BKCH->BKGTC", q, kb) * (H ** -0.5)
+        s = jnp.where(ok, s.astype(jnp.float32), neg)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m - m_new)
+        pv = jnp.einsum("BKGTC,BKCH->BKGTH", p.astype(vb.dtype), vb)
+        return (m_new, norm * rescale + jnp.sum(p, axis=-1),
+                acc * rescale[..., None] + pv.astype(jnp.float32))
+
+    shape = (B, cfg.num_kv_heads, cfg.num_groups, T)
+    init = (jnp.full(shape, neg), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (H,), jnp.float32))
+    _, norm, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
+    return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
+
+
+def _read_block(kc, vc, layer, start, C, dtype, positions, new_kv):
+    """Keys/values [B, K, C, H] of slots [start, start + C) of cache layer `layer`, read as
+    the layer computes (`dtype`; the cache may be stored narrower), with `new_kv` patched in
+    at `positions` where they fall inside the block."""
+    at, size = (layer, 0, 0, start, 0), (1,) + kc.shape[1:3] + (C, kc.shape[4])
+    kb = jax.lax.dynamic_slice(kc, at, size)[0].astype(dtype)
+    vb = jax.lax.dynamic_slice(vc, at, size)[0].astype(dtype)
+    if new_kv is not None:  # slots outside this block go to C, which "drop" skips
+        rel = jnp.where((positions >= start) & (positions < start + C), positions - start, C)
+        bidx = jnp.arange(positions.shape[0])[:, None]
+        kb = kb.at[bidx, :, rel].set(new_kv[0].astype(kb.dtype), mode="drop")
+        vb = vb.at[bidx, :, rel].set(new_kv[1].astype(vb.dtype), mode="drop")
+    return kb, vb
