@@ -6,8 +6,8 @@
 On the first device JAX sees (it refuses a CPU unless --allow-cpu):
   (a) SmolLM2-135M-Instruct (python -m infer.fetch_smollm2) with the committed sorted draft:
       AR / SD at each exit / S2D 0.5-0 / S2D calibrated on 24 Spec-Bench questions (4 per
-      task), greedy and T = 1, through infer.bench (tok/s, speedup, MAT, exactness, in-loop
-      round costs): OUT/smollm2/report.{json,md}.
+      task), greedy and T = 1, as infer.bench runs them (tok/s, speedup, MAT, exactness,
+      in-loop round costs): OUT/smollm2/report.{json,md}.
   (b) Vicuna-7B- and 13B-shaped targets with random bfloat16 weights and a 12-layer draft of
       the 7B's shape (exits 6/9/12): the target's verify call for windows 1..8 (1 = an AR
       step) and each exit's whole draft step, timed in jitted loops (bench/call_costs.py),
@@ -94,30 +94,78 @@ def report_md(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new_tokens: int,
+              kinds: list[str], temps: list[float], template: str, cost_every: int) -> dict:
+    """The Spec-Bench-style run of infer.bench on one target, through the library
+    (s2d_jax.bench.runner): every method interleaved per prompt, in-loop round costs
+    sampled every `cost_every` prompts -> infer.bench's report entry of the target."""
+    from s2d_jax.bench import runner
+    from s2d_jax.data.prompts import read_questions, resolve_template
+    from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
+    from s2d_jax.decode.serving_config import load_serving_config
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.draft_pack import load_draft
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    qs = read_questions(questions, None, max_prompts)
+    tok = load_tokenizer(target)
+    turns = runner.Conversations(tok, resolve_template(tok, template, "none")[0], qs,
+                                 max_new_tokens)
+    cfg, params, _ = load_model(target)
+    d_cfg, d_params, extra = load_draft(draft, target)
+    exits = draft_exits(extra, d_cfg)
+    specs, notes = runner.method_specs(kinds, exits, None, 4, load_serving_config(target))
+    width = prompt_width(turns.longest)
+    g_max = max(s.gamma for s in specs)
+    max_len = buffer_len(width, max_new_tokens, g_max + 1, min(cfg.max_position_embeddings,
+                                                                d_cfg.max_position_embeddings))
+    decoders = runner.build_decoders(specs, cfg, params, d_cfg, d_params, prompt_width=width,
+                                     tokenizer=tok)
+    probes = runner.cost_probes(decoders, specs, turns.first_prompts[0], temperatures=temps,
+                                max_len=max_len)
+    done = [0]
+
+    def between():  # the first prompt always samples: costs exist
+        done[0] += 1
+        if (done[0] - 1) % cost_every == 0:
+            runner.sample_probes(probes)
+    runs = runner.run_target(decoders, turns.first_prompts, temperatures=temps,
+                             max_new_tokens=max_new_tokens, max_len=max_len,
+                             eos_id=turns.eos_id, between=between,
+                             next_turn=turns.next_prompt(width))
+    costs = runner.measure_costs(probes)
+    cats = [qs[i]["task"] for i, _ in runs["items"]]
+    return {"results": runner.summarize_target(runs["runs"], cats, specs, costs),
+            "costs": costs, "compile_seconds": runs["compile_seconds"], "notes": notes,
+            "prompts": len(qs)}
+
+
 def check_smollm2(args, res: Results, tiny: bool) -> None:
-    """(a): infer.bench on SmolLM2 (or the demo family with --allow-cpu on a CPU)."""
-    from infer.bench import main as bench_main
+    """(a): the benchmark on SmolLM2 (or the demo family with --allow-cpu on a CPU)."""
+    from s2d_jax.bench.report import markdown_table
+    from s2d_jax.io.atomic import write_atomic
     out = os.path.join(args.out, "smollm2")
     if tiny:
         target, draft = "models/demo/target-s", "models/demo/draft"
-        extra = ["--questions", "data/demo_questions.jsonl", "--max-prompts", "1",
-                 "--max-new-tokens", "16", "--chat-template", "none", "--methods", "ar,sd,s2d",
-                 "--temperatures", "0"]
+        run = dict(questions="data/demo_questions.jsonl", max_prompts=1, max_new_tokens=16,
+                   template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1)
     else:
         if not os.path.isdir(SMOLLM2):
             raise S2DError(f"{SMOLLM2} is missing; run python -m infer.fetch_smollm2 first")
         target, draft = SMOLLM2, "models/smollm2-draft"
-        extra = ["--questions", "data/spec_bench_question.jsonl", "--max-prompts", "24",
-                 "--max-new-tokens", "128", "--cost-every", "8", "--methods",
-                 "ar,sd,s2d,s2d-cal", "--temperatures", "0,1"]
-    bench_main(["--targets", f"t={target}", "--draft", draft, "--out", out, *extra])
-    with open(os.path.join(out, "report.json")) as f:
-        rep = json.load(f)
+        run = dict(questions="data/spec_bench_question.jsonl", max_prompts=24,
+                   max_new_tokens=128, template="auto", kinds=["ar", "sd", "s2d", "s2d-cal"],
+                   temps=[0.0, 1.0], cost_every=8)
+    entry = run_bench(target, draft, **run)
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "report.json"), json.dumps(entry, indent=1))
+    write_atomic(os.path.join(out, "report.md"), markdown_table(
+        {"targets": {"t": entry}, "notes": entry["notes"]}))
     results = {t: {label: {k: m.get(k) for k in ("method", "tokens_per_second", "speedup_vs_ar",
                                                  "mean_accepted_tokens", "exact_match_vs_ar")}
                    for label, m in methods.items()}
-               for t, methods in rep["targets"]["t"]["results"].items()}
-    res.data["smollm2"] = {"target": target, "prompts": rep["settings"]["prompts"],
+               for t, methods in entry["results"].items()}
+    res.data["smollm2"] = {"target": target, "prompts": entry["prompts"],
                            "results": results, "report": os.path.join(out, "report.md")}
     res.save()
 

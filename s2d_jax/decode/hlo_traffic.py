@@ -7,7 +7,9 @@ round loop's body (hlo_copies.decode_loop_body) itself, per device (the HLO is t
 partitioned per-device program), counting for every instruction what it reads and writes
 as XLA's cost analysis does: operands + result; a dynamic-slice / gather reads only its
 slice; a dynamic-update-slice / scatter (or a fusion rooted in one) writes only its update
-in place; plumbing (parameter, tuple, bitcast, ...) is free. Loops multiply their body by
+in place; plumbing (parameter, tuple, bitcast, ...) and fusions that only slice (VIEW) are
+free. Compile the program in float32 (see roofline.py): XLA:CPU widens bf16 weights to f32
+inside the loop before every matmul, traffic an accelerator does not have. Loops multiply their body by
 their trip count: XLA's `known_trip_count`, else, for a loop that sweeps an array in slices
 (the attention's block loop over a KV cache), the cache's length over the block's - the
 round at the end of the context, where attention reads the whole cache. A conditional
@@ -33,6 +35,10 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
         "partition-id", "replica-id", "optimization-barrier", "copy-start", "copy-done"}
 SLICING = {"dynamic-slice", "slice", "gather"}
+# Fusions of only these are views: a layer of stacked weights, a block of a cache. XLA:CPU
+# materializes them (read + write) before a matmul; an accelerator's matmul reads the slice
+# where it lies, and the consumer's read of it is counted.
+VIEW = {"parameter", "constant", "bitcast", "reshape", "dynamic-slice", "slice"}
 # A conditional's branch under this fraction of its dearest one's bytes is a skip (a draft
 # step's zeros for rows that draft no more: ~1% of a step; S2D's escalation skip still
 # fills the deeper layers' K/V, >= ~9% of the deeper branch).
@@ -121,14 +127,15 @@ def fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     fused = _callees(ins.line)[0]
     body = mod.instrs[fused]
     root = next((i for i in body if i.line.lstrip().startswith("ROOT")), body[-1])
+    if all(i.opcode in VIEW for i in body) and root.opcode != "parameter":
+        return 0  # a slice its consumer reads in place on a GPU/TPU (XLA:CPU copies it out)
     total = _written(mod, fused, root)
     for p in (i for i in body if i.opcode == "parameter"):
         k = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
         users = _users(body, p.name)
-        if users and all(u.opcode in SLICING and j == 0 for u, j in users):
-            total += sum(type_bytes(u.type) for u, _ in users)
-        elif users and all(u.opcode in IN_PLACE and j == 0 for u, j in users):
-            continue  # the buffer updated in place: only the update is touched
+        if users and all(u.opcode in SLICING | set(IN_PLACE) and j == 0 for u, j in users):
+            # slices read, and the buffer updated in place (only the update is touched)
+            total += sum(type_bytes(u.type) for u, _ in users if u.opcode in SLICING)
         else:
             total += mod.operand_bytes(comp, ins, k)
     return total

@@ -76,6 +76,24 @@ def minimum_round_bytes(setup, mesh=None) -> tuple[int, int]:
             target + g * _draft_bytes(setup, exits[-1], mesh))
 
 
+def float32_twin(cfg):
+    """(cfg in float32, bytes factor back to cfg's dtype): the roofline's HLO is compiled in
+    float32, where XLA:CPU runs the ops an accelerator runs in bf16 (no widening of weights
+    before each matmul), and its bytes scaled by the itemsize ratio (small float32 buffers a
+    bf16 program keeps, softmax statistics, are scaled too: a slight undercount)."""
+    if cfg is None or cfg.param_dtype not in ("bfloat16", "float16"):
+        return cfg, 1.0
+    return dataclasses.replace(cfg, dtype="float32", param_dtype="float32"), 0.5
+
+
+def scaled(traffic, factor: float):
+    """A Traffic with every byte count times `factor`."""
+    if factor == 1.0:
+        return traffic
+    return dataclasses.replace(traffic, lo=int(traffic.lo * factor), hi=int(traffic.hi * factor),
+                               ops={k: int(v * factor) for k, v in traffic.ops.items()})
+
+
 @dataclasses.dataclass
 class RoundBound:
     """One method's round: HLO traffic (hlo_traffic.Traffic) beside its minimum bytes."""
