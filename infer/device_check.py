@@ -17,7 +17,12 @@ Progress goes to stdout; OUT/results.json and OUT/report.md are rewritten after 
 measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU runs the
 demo family (1 question, 16 tokens, greedy, AR/SD/S2D) and tiny shapes (windows 1..3,
 gamma 2) instead.
-TODO (issue 33 c): --train-minutes N, the draft pipeline on the accelerator for N minutes.
+  (c) with --train-minutes N: SoFT of the SmolLM2 sorted draft for N minutes on the device,
+      its exits' held-out agreement with the target logged as it goes (infer/device_train.py;
+      --allow-cpu on a CPU: the demo family's smallest target, short rows).
+The paper's MAT for (ii) is not in this repository and could not be retrieved here (S2D,
+arXiv 2407.01955, reports it per target in its Spec-Bench tables): pass --paper-mat with
+the values read from the paper; without it report.md says (ii) was not computed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import os
 import time
 
-from infer.args import ArgumentParser, parse_targets, path_arg
+from infer.args import ArgumentParser, finite_number, parse_targets, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
@@ -48,6 +53,9 @@ def _parse(argv):
                    help="the paper's reported mean accepted tokens per target shape, for "
                         "prediction (ii)")
     p.add_argument("--samples", type=int, default=3, help="timed trials per probe")
+    p.add_argument("--train-minutes", type=finite_number, default=None, metavar="N",
+                   help="also train the SmolLM2 sorted draft for N minutes, logging its "
+                        "held-out agreement (c)")
     return p.parse_args(argv)
 
 
@@ -55,7 +63,8 @@ class Results:
     """results.json + report.md under OUT, rewritten after every measurement."""
 
     def __init__(self, out: str, device: str):
-        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {}}
+        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {},
+                                    "train": None}
         os.makedirs(out, exist_ok=True)
 
     def save(self) -> None:
@@ -90,8 +99,27 @@ def report_md(d: dict) -> str:
         for p in r.get("predictions", []):
             lines.append(f"\nLemma 3.1, gamma {p['gamma']}, exit {p['exit']}, MAT {p['mat']:.2f} "
                          f"({p['source']}): predicted speedup **{p['speedup']:.2f}x**")
+        if not any("paper" in p["source"] for p in r.get("predictions", [])):
+            lines.append("\n(ii) with the paper's MAT not computed: pass --paper-mat (the "
+                         "values of S2D's Spec-Bench tables, arXiv 2407.01955).")
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + train_md(d.get("train"))) + "\n"
+
+
+def train_md(t: dict | None) -> list[str]:
+    """(c)'s table: held-out agreement per exit as training went."""
+    if not t:
+        return []
+    exits = [str(e) for e in t["exits"]]
+    lines = [f"## (c) SoFT of the sorted draft, {t['steps']} steps in {t['seconds']:.0f} s "
+             f"({t['tokens_per_s'] or 0:.0f} tokens/s)\n",
+             "| step | s | loss | " + " | ".join(f"agreement exit {e}" for e in exits) + " |",
+             "|---|---|---|" + "---|" * len(exits)]
+    for r in t["log"]:
+        loss = "-" if r["loss"] is None else f"{r['loss']:.3f}"
+        lines.append(f"| {r['step']} | {r['seconds']:.0f} | {loss} | "
+                     + " | ".join(f"{r['agreement'][e]:.3f}" for e in exits) + " |")
+    return lines + [""]
 
 
 def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new_tokens: int,
@@ -111,8 +139,8 @@ def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new
     tok = load_tokenizer(target)
     turns = runner.Conversations(tok, resolve_template(tok, template, "none")[0], qs,
                                  max_new_tokens)
-    cfg, params, _ = load_model(target)
-    d_cfg, d_params, extra = load_draft(draft, target)
+    cfg, params, _ = load_model(target, dtype="float32")  # as infer.bench by default
+    d_cfg, d_params, extra = load_draft(draft, target, dtype="float32")
     exits = draft_exits(extra, d_cfg)
     specs, notes = runner.method_specs(kinds, exits, None, 4, load_serving_config(target))
     width = prompt_width(turns.longest)
@@ -260,6 +288,8 @@ def main(argv=None):
     paper_mat = _paper_mat(args.paper_mat) if args.paper_mat else {}
     if args.samples < 1:
         raise S2DError(f"--samples must be >= 1, got {args.samples}")
+    if args.train_minutes is not None and not args.train_minutes > 0:
+        raise S2DError(f"--train-minutes must be > 0, got {args.train_minutes}")
     import jax
     dev = jax.devices()[0]
     tiny = dev.platform == "cpu"
@@ -275,8 +305,22 @@ def main(argv=None):
     check_smollm2(args, res, tiny)
     print(f"(a) done after {time.perf_counter() - t0:.0f} s", flush=True)
     check_shapes(args, res, tiny, paper_mat)
-    print(f"(b) done after {time.perf_counter() - t0:.0f} s; {args.out}/report.md", flush=True)
+    print(f"(b) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.train_minutes:
+        check_training(args, res, tiny)
+        print(f"(c) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"report: {args.out}/report.md", flush=True)
     return 0
+
+
+def check_training(args, res: Results, tiny: bool) -> None:
+    """(c): the draft's SoFT for --train-minutes on the device (infer/device_train.py)."""
+    from infer.device_train import train_for
+    target, heldout = (("models/demo/target-s", "data/demo_questions.jsonl") if tiny else
+                       (SMOLLM2, "data/smollm2_calibration.jsonl"))
+    res.data["train"] = train_for(target, args.train_minutes, heldout, tiny,
+                                  lambda m: print(m, flush=True))
+    res.save()
 
 
 if __name__ == "__main__":
