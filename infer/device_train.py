@@ -102,13 +102,15 @@ def train_for(target: str, minutes: float, heldout: str, tiny: bool, log) -> dic
         steps, tokens = steps + 1, tokens + int((batch["segment_ids"] > 0).sum())
         if elapsed >= next_log:
             jax.block_until_ready(state)
-            next_log += budget / 5
+            while next_log <= elapsed:
+                next_log += budget / 5
             paused = time.perf_counter()
             record(steps, paused - t0, float(metrics["loss"]))
             t0 += time.perf_counter() - paused  # measuring is not training time
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
-    record(steps, seconds, float(metrics["loss"]) if steps > 1 else None)
+    if record.rows[-1]["step"] != steps:
+        record(steps, seconds, float(metrics["loss"]) if steps > 1 else None)
     return {"exits": list(exits), "steps": steps, "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else None,
             "log": record.rows}

@@ -10,6 +10,7 @@ real rounds add kernel launches, collectives' latency and imperfect bandwidth us
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from s2d_jax.errors import S2DError
 from s2d_jax.parallel.memory import cache_bytes, tree_bytes_per_device
@@ -26,6 +27,9 @@ DEVICE_BANDWIDTH = {
 # Per-token acceptance rates predicted at by default: the committed SmolLM2 sorted draft's
 # measured T = 1 acceptance chance (docs/results.md, 0.24-0.26 over its exits).
 DEFAULT_ACCEPTANCE = (0.25,)
+# Ops whose bytes are the minimum's own: matmuls reading weights (dot, dot_general, the CPU
+# matmul kernel's ffi_call) and the attention's block reads of the cache.
+MINIMUM_OPS = re.compile(r"dot|ffi_call|Block/dynamic_slice|BKCH")
 
 
 def device_bandwidth(name: str, override: float | None = None) -> float | None:
@@ -136,9 +140,11 @@ def format_roofline(rounds: list[RoundBound], bandwidth: float, device: str,
                      f"round, gamma {rounds[-1].gamma}): {', '.join(parts)}")
     for r in rounds:
         extra = r.traffic.hi - r.minimum[1]
-        ops = ", ".join(f"{name} {b / gib:.3f}" for name, b in r.traffic.top_ops(top))
+        ops = r.traffic.top_ops(len(r.traffic.ops))
+        fmt = lambda rows: ", ".join(f"{n} {b / gib:.3f}" for n, b in rows[:top])  # noqa: E731
         lines.append(f"    {r.method}: {extra / gib:+.3f} GiB over the minimum; largest ops "
-                     f"(GiB): {ops}")
+                     f"(GiB): {fmt(ops)}; beside the matmuls (weights) and the attention's "
+                     f"cache reads: {fmt([o for o in ops if not MINIMUM_OPS.search(o[0])])}")
     if any(r.traffic.guessed_loops for r in rounds):
         lines.append("    note: some loops had no known trip count and count once")
     return lines
