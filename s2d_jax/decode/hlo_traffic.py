@@ -9,10 +9,10 @@ as XLA's cost analysis does: operands + result; a dynamic-slice / gather reads o
 slice; a dynamic-update-slice / scatter (or a fusion rooted in one) writes only its update
 in place; plumbing (parameter, tuple, bitcast, ...) and fusions that only slice (VIEW) are
 free. Compile the program in float32 (see roofline.py): XLA:CPU widens bf16 weights to f32
-inside the loop before every matmul, traffic an accelerator does not have. Loops multiply their body by
-their trip count: XLA's `known_trip_count`, else, for a loop that sweeps an array in slices
-(the attention's block loop over a KV cache), the cache's length over the block's - the
-round at the end of the context, where attention reads the whole cache. A conditional
+inside the loop before every matmul, traffic an accelerator does not have. Loops multiply
+their body by their trip count: XLA's `known_trip_count`, else, for a loop that reads a KV
+cache block by block (the attention's), the cache's length over the block's - the round at
+the end of the context, where attention reads the whole cache. A conditional
 costs its cheapest live branch in `lo` and its dearest in `hi` (S2D: never / always
 escalating; a branch that does next to nothing is the skip of finished rows, not live).
 """
