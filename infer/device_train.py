@@ -81,7 +81,7 @@ def train_for(target: str, minutes: float, heldout: str, tiny: bool, log) -> dic
 
     tc = train_config(target, tiny)
     cfg, exits, source = resolve_draft(tc)
-    mesh = make_mesh(tc.mesh, None)
+    mesh = make_mesh(tc.mesh, jax.devices()[:1])  # the first device, as (a) and (b) run
     tok = load_tokenizer(target)
     it = make_train_iterator(tc.data, cfg.vocab_size, False, 0, 1, tok)
     _, _, init_fn, step_fn = build_step(cfg, exits, tc.draft.resolved_weights(len(exits)),
