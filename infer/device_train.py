@@ -101,10 +101,10 @@ def train_for(target: str, minutes: float, heldout: str, tiny: bool, log) -> dic
         state, metrics = step_fn(state, global_batch(batch, mesh))
         steps, tokens = steps + 1, tokens + int((batch["segment_ids"] > 0).sum())
         if elapsed >= next_log:
-            jax.block_until_ready(state)
-            while next_log <= elapsed:
-                next_log += budget / 5
+            jax.block_until_ready(state)  # steps run ahead of the host: wait for them
             paused = time.perf_counter()
+            while next_log <= paused - t0:
+                next_log += budget / 5
             record(steps, paused - t0, float(metrics["loss"]))
             t0 += time.perf_counter() - paused  # measuring is not training time
     jax.block_until_ready(state)
