@@ -6,7 +6,12 @@ shapes (no weights read or allocated) and print per-device memory and compile ti
         --mesh tensor=8 --batch 1,8 --context 4096 --dtype bfloat16 --device-memory h100-80gb
 
 --target / --draft: model YAML, HF dir or config.json (only the shapes are read).
---device-memory: h100-80gb, a100-80gb, a100-40gb, tpu-v5e-16gb, tpu-v4-32gb, ... or GiB.
+--device-memory: h100-80gb, h200-141gb, a100-80gb, a100-40gb, tpu-v5e-16gb, tpu-v4-32gb, ...
+or GiB.
+--roofline: also compile AR and SD beside S2D and print, per batch, each round's bytes per
+device (summed over the compiled HLO, s2d_jax/decode/hlo_traffic.py) beside the minimum
+(weights + caches once per call), a lower bound on its time at the device's memory bandwidth
+and Lemma 3.1's speedup bound at --acceptance: a bound, not a measurement.
 --train-config: also compile the SoFT training step of that training YAML for the draft on
 the same mesh (the same as `python -m train.aot --config ... --target <draft> mesh.*=...`).
 """
@@ -17,7 +22,8 @@ import dataclasses
 import os
 
 from infer.args import (ArgumentParser, add_fake_devices_flag, check_at_least, check_gamma,
-                        fake_cpu_devices, parse_ints, path_arg)
+                        fake_cpu_devices, finite_number, parse_floats, parse_ints,
+                        path_arg)
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -50,6 +56,16 @@ def _parse(argv):
     p.add_argument("--raw-cpu-passes", action="store_true",
                    help="on CPU, keep XLA's hoisting of bf16->f32 weight converts out of the "
                         "layer loop (a CPU-only f32 copy of all weights in temp)")
+    p.add_argument("--roofline", action="store_true",
+                   help="also compile AR and SD (deepest exit) beside S2D and print each round's "
+                        "HLO bytes per device, its minimum and the time bound at the device's "
+                        "memory bandwidth, with Lemma 3.1's speedup bound (see --acceptance)")
+    p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
+                   help="per-token acceptance rates in [0, 1) for the speedup bound (default "
+                        "0.25: the SmolLM2 sorted draft's measured, docs/results.md)")
+    p.add_argument("--bandwidth", type=finite_number, default=None, metavar="GB/s",
+                   help="memory bandwidth of one device (default: the --device-memory "
+                        "preset's datasheet figure, s2d_jax/decode/roofline.py)")
     p.add_argument("--train-config", default=None, type=path_arg,
                    help="also AOT-compile the SoFT step of this training YAML for the draft")
     return p.parse_args(argv)
@@ -64,6 +80,105 @@ def _model_cfg(path: str, dtype: str | None):
     return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype) if dtype else cfg
 
 
+def _models(args, exits):
+    """(target, draft or None, exits) from the flags, the draft cut to its deepest exit."""
+    target = _model_cfg(args.target, args.dtype)
+    if args.method == "ar" and not args.roofline:
+        return target, None, exits
+    if args.draft is None:
+        raise S2DError(f"method {args.method} needs --draft" if args.method != "ar" else
+                       "--roofline compares AR with SD and S2D; pass --draft")
+    draft = _model_cfg(args.draft, args.dtype)
+    layers = args.draft_layers or (exits[-1] if exits else draft.num_layers)
+    if not 1 <= layers <= draft.num_layers:
+        raise S2DError(f"--draft-layers {layers} is outside 1..{draft.num_layers}")
+    draft = dataclasses.replace(draft, num_layers=layers)
+    exits = exits or [layers]
+    if args.method == "sd" and len(exits) != 1:
+        raise S2DError("method sd uses one exit; pass --exits N")
+    return target, draft, exits
+
+
+def _print_models(mesh_cfg, target, draft, exits, gamma):
+    import jax
+    devices = jax.devices()
+    print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
+          f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
+    print(f"target: {target.name} {target.num_layers} layers ({target.num_params() / 1e9:.1f}B "
+          f"params, {target.param_dtype})")
+    if draft is not None:
+        print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
+              f"params), exits {exits}, gamma {gamma}")
+
+
+def _check_hlo(args, compiled, cfgs, batch, mesh):
+    """--check-gathers / --check-copies on one compiled generation."""
+    from s2d_jax.decode.aot import loop_cache_traffic, param_gathers
+    if args.check_gathers:
+        gathers = param_gathers(compiled.as_text(), cfgs, mesh)
+        print(f"  whole-parameter all-gathers: {len(gathers)}")
+        for g in gathers[:10]:
+            print(f"    {g}")
+    if args.check_copies:
+        found = loop_cache_traffic(compiled.as_text(), cfgs, batch, args.context, mesh)
+        print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
+              f"updates {len(found['other'])}, whole-cache converts "
+              f"{len(found['converts'])} (XLA:CPU's f32 round trip of a bf16 scatter; "
+              f"GPU/TPU scatter bf16 in place)")
+        for line in (found["copies"] + found["other"])[:10]:
+            print(f"    {line}")
+
+
+def _roofline_methods(method, exits) -> list[tuple[str, tuple[int, ...]]]:
+    """(method, exits) the roofline compares: AR, SD at the deepest exit, S2D at `exits`;
+    the compiled --method first (its program is reused)."""
+    wanted = [("ar", ()), ("sd", (exits[-1],)), ("s2d", tuple(exits))]
+    return sorted(wanted, key=lambda m: m[0] != method)
+
+
+def _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth):
+    """Per-round traffic of AR, SD and S2D at `batch`, bounded at the device's bandwidth
+    (a bf16 model's traffic from its float32 twin's program, roofline.float32_twin)."""
+    from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_bytes
+    from s2d_jax.decode.roofline import (RoundBound, float32_twin, format_roofline,
+                                         minimum_round_bytes, scaled)
+    (target32, factor), (draft32, _) = float32_twin(target), float32_twin(draft)
+    rounds = []
+    for method, ex in _roofline_methods(args.method, exits):
+        setup = GenerateSetup.make(target, draft, ex, batch, args.context, args.prompt_len,
+                                   args.gamma, method)
+        twin = GenerateSetup.make(target32, draft32, ex, batch, args.context, args.prompt_len,
+                                  args.gamma, method)
+        if compiled is None or factor != 1.0:
+            compiled = compile_generate(twin, mesh)[0]
+        rounds.append(RoundBound(method, scaled(round_bytes(compiled, twin, mesh), factor),
+                                 minimum_round_bytes(setup, mesh), args.gamma))
+        compiled = None
+    rounds.sort(key=lambda r: ["ar", "sd", "s2d"].index(r.method))
+    if factor != 1.0:
+        print(f"  (round bytes from the float32 program x {factor:g}: XLA:CPU widens 16-bit "
+              f"weights to f32 before each matmul, which accelerators do not)")
+    for line in format_roofline(rounds, bandwidth, args.device_memory, args.acceptance):
+        print(line)
+
+
+def _train_step(args, mesh_cfg):
+    from s2d_jax.train.aot import train_step_report
+    print(f"SoFT training step ({args.train_config}):")
+    for line in train_step_report(args.train_config, args.draft or args.target,
+                                  [f"mesh.data={mesh_cfg.data}", f"mesh.fsdp={mesh_cfg.fsdp}",
+                                   f"mesh.tensor={mesh_cfg.tensor}"]):
+        print(line)
+
+
+def _acceptances(text: str) -> list[float]:
+    values = parse_floats(text, "--acceptance", nonempty=True)
+    if not all(0.0 <= a < 1.0 for a in values):
+        raise S2DError(f"--acceptance {text!r}: give per-token acceptance rates in [0, 1), "
+                       f"e.g. 0.25,0.6")
+    return values
+
+
 @cli_main
 def main(argv=None):
     args = _parse(argv)
@@ -73,39 +188,21 @@ def main(argv=None):
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch, "--batch", minimum=1)
     exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
-    fake_cpu_devices(args.fake_devices)
-
-    import jax
-
+    args.acceptance = _acceptances(args.acceptance)
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
-                             device_memory_bytes, format_report, loop_cache_traffic,
-                             memory_report, param_gathers)
-    from s2d_jax.parallel.multihost import build_mesh
-
+                                    device_memory_bytes, format_report, memory_report)
+    from s2d_jax.decode.roofline import device_bandwidth
     device_bytes = device_memory_bytes(args.device_memory)
-    target = _model_cfg(args.target, args.dtype)
-    draft = None
-    if args.method != "ar":
-        if args.draft is None:
-            raise S2DError(f"method {args.method} needs --draft")
-        draft = _model_cfg(args.draft, args.dtype)
-        layers = args.draft_layers or (exits[-1] if exits else draft.num_layers)
-        if not 1 <= layers <= draft.num_layers:
-            raise S2DError(f"--draft-layers {layers} is outside 1..{draft.num_layers}")
-        draft = dataclasses.replace(draft, num_layers=layers)
-        exits = exits or [layers]
-        if args.method == "sd" and len(exits) != 1:
-            raise S2DError("method sd uses one exit; pass --exits N")
+    bandwidth = device_bandwidth(args.device_memory, args.bandwidth and args.bandwidth * 1e9)
+    if args.roofline and bandwidth is None:
+        raise S2DError(f"no memory bandwidth known for --device-memory {args.device_memory}; "
+                       f"pass --bandwidth GB/s or a preset name")
+    fake_cpu_devices(args.fake_devices)
+    from s2d_jax.parallel.multihost import build_mesh
+    target, draft, exits = _models(args, exits)
     cfgs = {"target": target} if draft is None else {"target": target, "draft": draft}
     mesh = build_mesh(mesh_cfg, cfgs)
-    devices = jax.devices()
-    print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
-          f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
-    print(f"target: {target.name} {target.num_layers} layers ({target.num_params() / 1e9:.1f}B "
-          f"params, {target.param_dtype})")
-    if draft is not None:
-        print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
-              f"params), exits {exits}, gamma {args.gamma}")
+    _print_models(mesh_cfg, target, draft, exits, args.gamma)
     options = {} if args.raw_cpu_passes else accelerator_like_options([target, draft])
     if options:
         print("note: CPU compile with the bf16->f32 weight-convert hoisting disabled, so temp "
@@ -114,32 +211,16 @@ def main(argv=None):
         setup = GenerateSetup.make(target, draft, exits or (), batch, args.context,
                                    args.prompt_len, args.gamma, args.method)
         compiled, t_lower, t_compile = compile_generate(setup, mesh, options)
-        rep = memory_report(compiled, setup, mesh)
         print(f"batch {batch}, context {args.context}, prompt {setup.prompt_len}: lower "
               f"{t_lower:.1f} s, compile {t_compile:.1f} s; per-device memory:")
-        for line in format_report(rep, device_bytes):
+        for line in format_report(memory_report(compiled, setup, mesh), device_bytes):
             print(line)
-        if args.check_gathers:
-            gathers = param_gathers(compiled.as_text(), list(cfgs.values()), mesh)
-            print(f"  whole-parameter all-gathers: {len(gathers)}")
-            for g in gathers[:10]:
-                print(f"    {g}")
-        if args.check_copies:
-            found = loop_cache_traffic(compiled.as_text(), list(cfgs.values()), batch,
-                                       args.context, mesh)
-            print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
-                  f"updates {len(found['other'])}, whole-cache converts "
-                  f"{len(found['converts'])} (XLA:CPU's f32 round trip of a bf16 scatter; "
-                  f"GPU/TPU scatter bf16 in place)")
-            for line in (found["copies"] + found["other"])[:10]:
-                print(f"    {line}")
+        _check_hlo(args, compiled, list(cfgs.values()), batch, mesh)
+        if args.roofline:
+            _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth)
         del compiled
     if args.train_config:
-        from train.aot import main as train_aot
-        print(f"SoFT training step ({args.train_config}):")
-        train_aot(["--config", args.train_config, "--target", args.draft or args.target,
-                   f"mesh.data={mesh_cfg.data}", f"mesh.fsdp={mesh_cfg.fsdp}",
-                   f"mesh.tensor={mesh_cfg.tensor}"])
+        _train_step(args, mesh_cfg)
     return 0
 
 

@@ -6,8 +6,8 @@
 On the first device JAX sees (it refuses a CPU unless --allow-cpu):
   (a) SmolLM2-135M-Instruct (python -m infer.fetch_smollm2) with the committed sorted draft:
       AR / SD at each exit / S2D 0.5-0 / S2D calibrated on 24 Spec-Bench questions (4 per
-      task), greedy and T = 1, through infer.bench (tok/s, speedup, MAT, exactness, in-loop
-      round costs): OUT/smollm2/report.{json,md}.
+      task), greedy and T = 1, as infer.bench runs them (tok/s, speedup, MAT, exactness,
+      in-loop round costs): OUT/smollm2/report.{json,md}.
   (b) Vicuna-7B- and 13B-shaped targets with random bfloat16 weights and a 12-layer draft of
       the 7B's shape (exits 6/9/12): the target's verify call for windows 1..8 (1 = an AR
       step) and each exit's whole draft step, timed in jitted loops (bench/call_costs.py),
@@ -17,7 +17,12 @@ Progress goes to stdout; OUT/results.json and OUT/report.md are rewritten after 
 measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU runs the
 demo family (1 question, 16 tokens, greedy, AR/SD/S2D) and tiny shapes (windows 1..3,
 gamma 2) instead.
-TODO (issue 33 c): --train-minutes N, the draft pipeline on the accelerator for N minutes.
+  (c) with --train-minutes N: SoFT of the SmolLM2 sorted draft for N minutes on the device,
+      its exits' held-out agreement with the target logged as it goes (infer/device_train.py;
+      --allow-cpu on a CPU: the demo family's smallest target, short rows).
+The paper's MAT for (ii) is not in this repository and could not be retrieved here (S2D,
+arXiv 2407.01955, reports it per target in its Spec-Bench tables): pass --paper-mat with
+the values read from the paper; without it report.md says (ii) was not computed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import os
 import time
 
-from infer.args import ArgumentParser, parse_targets, path_arg
+from infer.args import ArgumentParser, finite_number, parse_targets, path_arg
 from s2d_jax.errors import S2DError, cli_main
 
 SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
@@ -48,6 +53,9 @@ def _parse(argv):
                    help="the paper's reported mean accepted tokens per target shape, for "
                         "prediction (ii)")
     p.add_argument("--samples", type=int, default=3, help="timed trials per probe")
+    p.add_argument("--train-minutes", type=finite_number, default=None, metavar="N",
+                   help="also train the SmolLM2 sorted draft for N minutes, logging its "
+                        "held-out agreement (c)")
     return p.parse_args(argv)
 
 
@@ -55,7 +63,8 @@ class Results:
     """results.json + report.md under OUT, rewritten after every measurement."""
 
     def __init__(self, out: str, device: str):
-        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {}}
+        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {},
+                                    "train": None}
         os.makedirs(out, exist_ok=True)
 
     def save(self) -> None:
@@ -90,34 +99,105 @@ def report_md(d: dict) -> str:
         for p in r.get("predictions", []):
             lines.append(f"\nLemma 3.1, gamma {p['gamma']}, exit {p['exit']}, MAT {p['mat']:.2f} "
                          f"({p['source']}): predicted speedup **{p['speedup']:.2f}x**")
+        if not any("paper" in p["source"] for p in r.get("predictions", [])):
+            lines.append("\n(ii) with the paper's MAT not computed: pass --paper-mat (the "
+                         "values of S2D's Spec-Bench tables, arXiv 2407.01955).")
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + train_md(d.get("train"))) + "\n"
+
+
+def train_md(t: dict | None) -> list[str]:
+    """(c)'s table: held-out agreement per exit as training went."""
+    if not t:
+        return []
+    exits = [str(e) for e in t["exits"]]
+    lines = [f"## (c) SoFT of the sorted draft, {t['steps']} steps in {t['seconds']:.0f} s "
+             f"({t['tokens_per_s'] or 0:.0f} tokens/s)\n",
+             "| step | s | loss | " + " | ".join(f"agreement exit {e}" for e in exits) + " |",
+             "|---|---|---|" + "---|" * len(exits)]
+    for r in t["log"]:
+        loss = "-" if r["loss"] is None else f"{r['loss']:.3f}"
+        lines.append(f"| {r['step']} | {r['seconds']:.0f} | {loss} | "
+                     + " | ".join(f"{r['agreement'][e]:.3f}" for e in exits) + " |")
+    return lines + [""]
+
+
+def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new_tokens: int,
+              kinds: list[str], temps: list[float], template: str, cost_every: int) -> dict:
+    """The Spec-Bench-style run of infer.bench on one target, through the library
+    (s2d_jax.bench.runner): every method interleaved per prompt, in-loop round costs
+    sampled every `cost_every` prompts -> infer.bench's report entry of the target."""
+    from s2d_jax.bench import runner
+    from s2d_jax.data.prompts import read_questions, resolve_template
+    from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
+    from s2d_jax.decode.serving_config import load_serving_config
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.draft_pack import load_draft
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    qs = read_questions(questions, None, max_prompts)
+    tok = load_tokenizer(target)
+    turns = runner.Conversations(tok, resolve_template(tok, template, "none")[0], qs,
+                                 max_new_tokens)
+    cfg, params, _ = load_model(target, dtype="float32")  # as infer.bench by default
+    d_cfg, d_params, extra = load_draft(draft, target, dtype="float32")
+    exits = draft_exits(extra, d_cfg)
+    specs, notes = runner.method_specs(kinds, exits, None, 4, load_serving_config(target))
+    width = prompt_width(turns.longest)
+    g_max = max(s.gamma for s in specs)
+    max_len = buffer_len(width, max_new_tokens, g_max + 1, min(cfg.max_position_embeddings,
+                                                                d_cfg.max_position_embeddings))
+    decoders = runner.build_decoders(specs, cfg, params, d_cfg, d_params, prompt_width=width,
+                                     tokenizer=tok)
+    probes = runner.cost_probes(decoders, specs, turns.first_prompts[0], temperatures=temps,
+                                max_len=max_len)
+    done = [0]
+
+    def between():  # the first prompt always samples: costs exist
+        done[0] += 1
+        if (done[0] - 1) % cost_every == 0:
+            runner.sample_probes(probes)
+    runs = runner.run_target(decoders, turns.first_prompts, temperatures=temps,
+                             max_new_tokens=max_new_tokens, max_len=max_len,
+                             eos_id=turns.eos_id, between=between,
+                             next_turn=turns.next_prompt(width))
+    try:
+        costs = runner.measure_costs(probes)
+    except S2DError as e:  # a machine too noisy to time them: the runs stay valid
+        costs = None
+        notes.append(f"predicted speedups omitted, the round costs could not be timed ({e})")
+    cats = [qs[i]["task"] for i, _ in runs["items"]]
+    return {"results": runner.summarize_target(runs["runs"], cats, specs, costs),
+            "costs": costs, "compile_seconds": runs["compile_seconds"], "notes": notes,
+            "prompts": len(qs)}
 
 
 def check_smollm2(args, res: Results, tiny: bool) -> None:
-    """(a): infer.bench on SmolLM2 (or the demo family with --allow-cpu on a CPU)."""
-    from infer.bench import main as bench_main
+    """(a): the benchmark on SmolLM2 (or the demo family with --allow-cpu on a CPU)."""
+    from s2d_jax.bench.report import markdown_table
+    from s2d_jax.io.atomic import write_atomic
     out = os.path.join(args.out, "smollm2")
     if tiny:
         target, draft = "models/demo/target-s", "models/demo/draft"
-        extra = ["--questions", "data/demo_questions.jsonl", "--max-prompts", "1",
-                 "--max-new-tokens", "16", "--chat-template", "none", "--methods", "ar,sd,s2d",
-                 "--temperatures", "0"]
+        run = dict(questions="data/demo_questions.jsonl", max_prompts=1, max_new_tokens=16,
+                   template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1)
     else:
         if not os.path.isdir(SMOLLM2):
             raise S2DError(f"{SMOLLM2} is missing; run python -m infer.fetch_smollm2 first")
         target, draft = SMOLLM2, "models/smollm2-draft"
-        extra = ["--questions", "data/spec_bench_question.jsonl", "--max-prompts", "24",
-                 "--max-new-tokens", "128", "--cost-every", "8", "--methods",
-                 "ar,sd,s2d,s2d-cal", "--temperatures", "0,1"]
-    bench_main(["--targets", f"t={target}", "--draft", draft, "--out", out, *extra])
-    with open(os.path.join(out, "report.json")) as f:
-        rep = json.load(f)
+        run = dict(questions="data/spec_bench_question.jsonl", max_prompts=24,
+                   max_new_tokens=128, template="auto", kinds=["ar", "sd", "s2d", "s2d-cal"],
+                   temps=[0.0, 1.0], cost_every=8)
+    entry = run_bench(target, draft, **run)
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "report.json"), json.dumps(entry, indent=1))
+    write_atomic(os.path.join(out, "report.md"), markdown_table(
+        {"targets": {"t": entry}, "notes": entry["notes"]}))
     results = {t: {label: {k: m.get(k) for k in ("method", "tokens_per_second", "speedup_vs_ar",
                                                  "mean_accepted_tokens", "exact_match_vs_ar")}
                    for label, m in methods.items()}
-               for t, methods in rep["targets"]["t"]["results"].items()}
-    res.data["smollm2"] = {"target": target, "prompts": rep["settings"]["prompts"],
+               for t, methods in entry["results"].items()}
+    res.data["smollm2"] = {"target": target, "prompts": entry["prompts"],
                            "results": results, "report": os.path.join(out, "report.md")}
     res.save()
 
@@ -212,6 +292,8 @@ def main(argv=None):
     paper_mat = _paper_mat(args.paper_mat) if args.paper_mat else {}
     if args.samples < 1:
         raise S2DError(f"--samples must be >= 1, got {args.samples}")
+    if args.train_minutes is not None and not args.train_minutes > 0:
+        raise S2DError(f"--train-minutes must be > 0, got {args.train_minutes}")
     import jax
     dev = jax.devices()[0]
     tiny = dev.platform == "cpu"
@@ -227,8 +309,22 @@ def main(argv=None):
     check_smollm2(args, res, tiny)
     print(f"(a) done after {time.perf_counter() - t0:.0f} s", flush=True)
     check_shapes(args, res, tiny, paper_mat)
-    print(f"(b) done after {time.perf_counter() - t0:.0f} s; {args.out}/report.md", flush=True)
+    print(f"(b) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.train_minutes:
+        check_training(args, res, tiny)
+        print(f"(c) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"report: {args.out}/report.md", flush=True)
     return 0
+
+
+def check_training(args, res: Results, tiny: bool) -> None:
+    """(c): the draft's SoFT for --train-minutes on the device (infer/device_train.py)."""
+    from infer.device_train import train_for
+    target, heldout = (("models/demo/target-s", "data/demo_questions.jsonl") if tiny else
+                       (SMOLLM2, "data/smollm2_calibration.jsonl"))
+    res.data["train"] = train_for(target, args.train_minutes, heldout, tiny,
+                                  lambda m: print(m, flush=True))
+    res.save()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """python -m infer.device_check: refuses a CPU without --allow-cpu and bad flags with one
-error line; with --allow-cpu it runs the tiny version and writes the report (slow, ~90 s)."""
+error line; with --allow-cpu it runs the tiny version (and 6 s of draft training) and writes
+the report (slow, ~2 min)."""
 
 import json
 import os
@@ -29,10 +30,19 @@ def test_refuses_a_bad_paper_mat(tmp_path, capsys, value, message):
     assert not (tmp_path / "dc").exists()
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_refuses_a_bad_train_minutes(tmp_path, capsys, value):
+    err = cli_error(main, capsys, ["--out", str(tmp_path / "dc"), "--allow-cpu",
+                                   "--train-minutes", value])
+    assert err.startswith("error: ") and "--train-minutes" in err
+    assert not (tmp_path / "dc").exists()
+
+
 @pytest.mark.slow
 def test_allow_cpu_runs_the_tiny_check_and_writes_the_report(tmp_path):
     out = tmp_path / "dc"
-    assert main(["--out", str(out), "--allow-cpu", "--samples", "2"]) == 0
+    assert main(["--out", str(out), "--allow-cpu", "--samples", "2", "--train-minutes",
+                 "0.1"]) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["device"].startswith("cpu")
     greedy = data["smollm2"]["results"]["0.0"]
@@ -44,3 +54,9 @@ def test_allow_cpu_runs_the_tiny_check_and_writes_the_report(tmp_path):
     report = (out / "report.md").read_text()
     assert "Device: **cpu" in report and "| target verify, window 3 |" in report
     assert os.path.exists(out / "smollm2" / "report.md")
+    assert "(ii) with the paper's MAT not computed" in report
+    train = data["train"]  # (c): SoFT on the clock, held-out agreement logged
+    assert train["exits"] == [1, 2] and train["steps"] > 1 and train["seconds"] >= 6
+    assert len(train["log"]) >= 2 and train["log"][-1]["loss"] is not None
+    assert all(0 <= a <= 1 for r in train["log"] for a in r["agreement"].values())
+    assert "## (c) SoFT of the sorted draft" in report

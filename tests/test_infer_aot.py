@@ -84,6 +84,14 @@ def _cli(*args):
       "tensor=16"], "error: mesh data=1 x fsdp=1 x tensor=16 = 16 devices, but 8 are"),
     (["--target", "configs/models/llama2-70b-chat.yaml", "--draft", "configs/models/tiny.yaml",
       "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide draft.num_heads=4"),
+    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+      "--device-memory", "24"], "error: no memory bandwidth known for --device-memory 24"),
+    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+      "--acceptance", "0.3,1"], "error: --acceptance '0.3,1': give per-token acceptance rates"),
+    (["--target", "configs/models/tiny.yaml", "--method", "ar", "--roofline"],
+     "error: --roofline compares AR with SD and S2D; pass --draft"),
+    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+      "--bandwidth", "nan"], "error: argument --bandwidth: 'nan' is not a finite number"),
 ])
 def test_cli_refuses_a_mesh_that_does_not_fit_with_one_line(args, message):
     proc = _cli(*args)
@@ -127,3 +135,37 @@ def test_70b_decode_loop_updates_caches_in_place():
         print(proc.stdout)
         assert re.findall(r"cache copies (\d+), out-of-place cache updates (\d+)",
                           proc.stdout) == [("0", "0")], proc.stdout
+
+
+def _span(text: str) -> tuple[float, float]:
+    """'1.5..2.0' -> (1.5, 2.0); '1.5' -> (1.5, 1.5)."""
+    lo, _, hi = text.partition("..")
+    return float(lo), float(hi or lo)
+
+
+@pytest.mark.slow
+def test_70b_roofline_of_ar_sd_and_s2d_with_the_12_layer_draft():
+    """--roofline on the 70B target + 12-layer draft (tensor=8, bf16, batch 1): each
+    method's round bytes per device beside its minimum, the bound at an H100's bandwidth and
+    Lemma 3.1's speedup bound; S2D's escalating round moves more than its never-escalating
+    one, and every round at least its minimum."""
+    proc = _cli("--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+                "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--exits",
+                "6,9,12", "--mesh", "tensor=8", "--batch", "1", "--context", "4096",
+                "--dtype", "bfloat16", "--device-memory", "h100-80gb", "--roofline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    print(out)
+    assert "a LOWER BOUND on each round's time (bytes moved / bandwidth), not a measurement" in out
+    rows = {m[0]: [x for span in m[1:] for x in _span(span)]  # lo, hi of each column
+            for m in re.findall(r"^\s+(ar|sd|s2d)\s+([\d.]+) GiB\s+([\d.]+) GiB\s+([\d.]+) ms$",
+                                out, re.M)}
+    assert sorted(rows) == ["ar", "s2d", "sd"], out
+    for method, (lo, hi, min_lo, min_hi, t_lo, t_hi) in rows.items():
+        assert lo >= min_lo > 0 and hi >= min_hi and t_hi >= t_lo > 0
+        assert hi < 1.5 * min_hi  # no hidden pass over a cache or the weights
+        assert abs(t_hi / 1e3 - hi * GIB / 3.35e12) < 1e-3 * t_hi / 1e3 + 1e-6
+    assert rows["s2d"][0] < rows["s2d"][1]  # escalating to exit 12 reads more than exit 6
+    assert rows["ar"][1] < rows["sd"][0]
+    assert re.search(r"Lemma 3.1 speedup bound at acceptance 0.25 .*: sd [\d.]+x, s2d", out)
+    assert out.count("GiB over the minimum; largest ops") == 3

@@ -36,7 +36,7 @@ CPU_NO_HOIST = {"xla_disable_hlo_passes":
                 "while-loop-invariant-code-motion,while-loop-expensive-invariant-code-motion"}
 # Usable accelerator memory per device, GiB (what the runtime reports, a bit under the label).
 DEVICE_MEMORY_GIB = {
-    "h100-80gb": 79.6, "a100-80gb": 79.2, "a100-40gb": 39.4, "l4-24gb": 22.0,
+    "h100-80gb": 79.6, "h200-141gb": 139.8, "a100-80gb": 79.2, "a100-40gb": 39.4, "l4-24gb": 22.0,
     "tpu-v5e-16gb": 15.75, "tpu-v4-32gb": 32.0, "tpu-v5p-95gb": 95.0, "tpu-v6e-32gb": 31.25,
 }
 
@@ -174,16 +174,29 @@ def param_gathers(hlo_text: str, cfgs: list[ModelConfig], mesh) -> list[str]:
     return found
 
 
-def loop_cache_traffic(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None) -> dict:
-    """`hlo_copies.cache_traffic` of a compiled generation whose models are `cfgs` (the
-    caches' per-device shapes: rows over data/fsdp, kv heads over tensor)."""
+def device_cache_shapes(cfgs, batch: int, max_len: int, mesh=None) -> list[tuple]:
+    """Per-device shape of each model's K (or V) cache: rows over data/fsdp, kv heads over
+    tensor (None models skipped)."""
     shapes = []
     for cfg in cfgs:
         if cfg is None:
             continue
         shape = cache_shape(cfg, batch, max_len)
         shapes.append(cache_sharding(mesh).shard_shape(shape) if mesh is not None else shape)
-    return cache_traffic(hlo_text, shapes)
+    return shapes
+
+
+def loop_cache_traffic(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None) -> dict:
+    """`hlo_copies.cache_traffic` of a compiled generation whose models are `cfgs`."""
+    return cache_traffic(hlo_text, device_cache_shapes(cfgs, batch, max_len, mesh))
+
+
+def round_bytes(compiled, setup: GenerateSetup, mesh=None):
+    """`hlo_traffic.round_traffic` of a compiled generation: one round's bytes per device."""
+    from s2d_jax.decode.hlo_traffic import round_traffic
+    shapes = device_cache_shapes([setup.target_cfg, setup.draft_cfg], setup.batch,
+                                 setup.spec.max_len, mesh)
+    return round_traffic(compiled.as_text(), shapes)
 
 
 def format_report(rep: dict, device_bytes: int | None = None) -> list[str]:
