@@ -18,7 +18,7 @@ measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU ru
 demo family (1 question, 16 tokens, greedy, AR/SD/S2D) and tiny shapes (windows 1..3,
 gamma 2) instead.
   (c) with --train-minutes N: SoFT of the SmolLM2 sorted draft for N minutes on the device,
-      its exits' held-out agreement with the target logged as it goes (infer/device_train.py;
+      its exits' held-out agreement with the target logged as it goes (s2d_jax/bench/device_train.py;
       --allow-cpu on a CPU: the demo family's smallest target, short rows).
 The paper's MAT for (ii) is not in this repository and could not be retrieved here (S2D,
 arXiv 2407.01955, reports it per target in its Spec-Bench tables): pass --paper-mat with
@@ -132,7 +132,7 @@ def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new
     from s2d_jax.decode.defaults import buffer_len, draft_exits, prompt_width
     from s2d_jax.decode.serving_config import load_serving_config
     from s2d_jax.io.checkpoint import load_model
-    from s2d_jax.io.draft_pack import load_draft
+    from s2d_jax.io.checkpoint import load_draft
     from s2d_jax.io.tokenizer import load_tokenizer
 
     qs = read_questions(questions, None, max_prompts)
@@ -318,8 +318,8 @@ def main(argv=None):
 
 
 def check_training(args, res: Results, tiny: bool) -> None:
-    """(c): the draft's SoFT for --train-minutes on the device (infer/device_train.py)."""
-    from infer.device_train import train_for
+    """(c): the draft's SoFT for --train-minutes on the device (s2d_jax/bench/device_train.py)."""
+    from s2d_jax.bench.device_train import train_for
     target, heldout = (("models/demo/target-s", "data/demo_questions.jsonl") if tiny else
                        (SMOLLM2, "data/smollm2_calibration.jsonl"))
     res.data["train"] = train_for(target, args.train_minutes, heldout, tiny,

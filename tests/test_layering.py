@@ -301,13 +301,12 @@ def test_cycle_checker_finds_a_planted_cycle(tmp_path, files, expect):
     assert import_cycles(root) == []  # downward, lazy and package imports alone: no circle
     _tree(tmp_path, files)
     assert import_cycles(root) == expect
+
+
 # --- commands (infer/, train/) call the library, not each other ----------------------------
 
 COMMANDS = ("infer", "train")
 SHARED_COMMAND_MODULES = {"infer.args"}  # argument helpers every command shares
-# Imports being removed on other branches right now; the lead empties this after merging
-# them (an entry no longer found fails test_known_command_imports_are_still_there).
-KNOWN = {("infer/aot.py", "train.aot"), ("infer/device_check.py", "infer.bench")}
 
 
 def command_imports(root: pathlib.Path) -> list[tuple[str, int, str]]:
@@ -339,14 +338,8 @@ def test_commands_do_not_import_each_other():
     """A command parses arguments, calls the library and prints: logic another command
     needs belongs in s2d_jax (not a command's main(argv) whose report is read back)."""
     problems = [f"{rel}:{line}: imports {name} (move what it needs into s2d_jax)"
-                for rel, line, name in command_imports(ROOT) if (rel, name) not in KNOWN]
+                for rel, line, name in command_imports(ROOT)]
     assert not problems, "\n".join(problems)
-
-
-def test_known_command_imports_are_still_there():
-    """KNOWN lists only imports that still exist: once fixed, the entry must go."""
-    found = {(rel, name) for rel, _, name in command_imports(ROOT)}
-    assert KNOWN <= found, f"fixed, remove from KNOWN: {sorted(KNOWN - found)}"
 
 
 @pytest.mark.parametrize("rel, text, expect", [

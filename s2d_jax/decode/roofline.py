@@ -13,7 +13,8 @@ import dataclasses
 import re
 
 from s2d_jax.errors import S2DError
-from s2d_jax.parallel.memory import cache_bytes, tree_bytes_per_device
+from s2d_jax.model.kvcache import cache_bytes
+from s2d_jax.parallel.memory import tree_bytes_per_device
 
 # Peak memory bandwidth per device, bytes/s (vendor datasheets): H100 SXM5 80GB HBM3
 # 3.35 TB/s, H200 141GB HBM3e 4.8 TB/s, A100 80GB SXM 2.039 TB/s, A100 40GB 1.555 TB/s, L4

@@ -14,11 +14,15 @@ trained on) where an exit's greedy prediction is the target's, teacher-forced on
 
 from __future__ import annotations
 
+import os
 import time
 
-TRAIN_CONFIG = "configs/train/smollm2_draft.yaml"
-TINY_DATA = "data/tinyshakespeare.txt"
-TRAIN_DATA = ["data/sharegpt_axolotl_conversation.json", "data/sharegpt_dummy_conversation.json"]
+# the repository's config and shipped data (the device check runs from a checkout)
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_CONFIG = os.path.join(_REPO, "configs/train/smollm2_draft.yaml")
+TINY_DATA = os.path.join(_REPO, "data/tinyshakespeare.txt")
+TRAIN_DATA = [os.path.join(_REPO, "data", name) for name in
+              ("sharegpt_axolotl_conversation.json", "sharegpt_dummy_conversation.json")]
 
 
 def train_config(target: str, tiny: bool):
