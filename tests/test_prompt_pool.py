@@ -10,7 +10,7 @@ from s2d_jax.data import magpie, overlap, prompt_pool
 from s2d_jax.errors import S2DError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "mt_bench_question.jsonl")
+MT_BENCH = os.path.join(ROOT, "data", "mt_bench_question.jsonl")  # shipped (data/README.md)
 
 
 def _rows(path):
@@ -52,8 +52,6 @@ def test_planted_overlaps_are_removed_and_clean_prompts_kept(banned):
 
 def test_spec_bench_holds_mt_bench_turn_for_turn(banned):
     """MT-bench needs no file of its own: every 8-gram of its questions is Spec-Bench's."""
-    if not os.path.exists(MT_BENCH):
-        pytest.skip("no ../shared/data/mt_bench_question.jsonl next to this checkout")
     assert all(overlap.ngrams(t) <= banned for t in overlap.eval_texts(MT_BENCH))
 
 
