@@ -2,8 +2,8 @@
 GGUF names; and the layout helpers that read it (HF's `[out, in]` <-> ours, "/"-paths, the
 params dict of a streaming loader).
 
-Every other view of the params is read from `PARAMS`: the Flax modules create each
-parameter from its row (`transformer.py`), `param_shapes` sizes it, the logical axes
+Every other view of the params is read from `PARAMS`: `param_init.py` creates each
+parameter from its row, `param_shapes` sizes it, the logical axes
 become its sharding through `parallel/mesh.py`'s rules, `io/hf.py` maps it to and from
 its HF tensor and `io/gguf.py` reads it from its GGUF tensor. A row's shape is its
 logical axes' sizes, so the axes are also the shape's documentation.
