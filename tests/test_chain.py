@@ -131,7 +131,7 @@ def test_cli_quantized_target_intermediate_is_lossless(models):
     import json
 
     from infer.generate import main
-    from s2d_jax.data.chat import vicuna_prompt
+    from s2d_jax.data.prompts import prompt_ids, reply_text
     from s2d_jax.io.tokenizer import load_tokenizer
     from test_generate_cli import TOKENIZER, greedy_reference
 
@@ -143,9 +143,15 @@ def test_cli_quantized_target_intermediate_is_lossless(models):
                "--prompts", str(root / "q.jsonl"), "--batch-size", "2", "--out", str(out)])
     assert rc == 0
     tok = load_tokenizer(TOKENIZER)
-    for line, q in zip(out.read_text().splitlines(), ["What is 2+2?", "Say hi."]):
-        row = json.loads(line)
-        ref = greedy_reference(target, tok.encode(vicuna_prompt([q])), 6)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # every turn is answered (question 7 has two): each against its own conversation so far
+    assert [(r["question_id"], r["turn"]) for r in rows] == [(7, 1), (7, 2), (8, 1)]
+    first = reply_text(tok, rows[0]["token_ids"])
+    prompts = [prompt_ids(tok, "vicuna", ["What is 2+2?"]),
+               prompt_ids(tok, "vicuna", ["What is 2+2?", "x"], [first]),
+               prompt_ids(tok, "vicuna", ["Say hi."])]
+    for row, ids in zip(rows, prompts):
+        ref = greedy_reference(target, ids, 6)
         eos_cut = ref.index(tok.eos_id) + 1 if tok.eos_id in ref else len(ref)
         assert row["token_ids"] == ref[:eos_cut]
         assert row["stats"]["mus"] == [2] and len(row["stats"]["level_acceptance_rate"]) == 2
