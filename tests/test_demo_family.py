@@ -43,6 +43,7 @@ def family(tmp_path_factory):
     return paths, argv
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_split_is_first_90_percent_in_order(family):
     paths, _ = family
     paras = df.read_paragraphs(CORPUS, SMOKE.paragraphs)
@@ -52,6 +53,7 @@ def test_split_is_first_90_percent_in_order(family):
     assert len(held) == round(0.1 * len(paras))
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_outputs_load_with_shared_tokenizer_and_exits(family):
     paths, _ = family
     fingerprints = set()
@@ -87,6 +89,7 @@ def test_outputs_load_with_shared_tokenizer_and_exits(family):
         os.path.getsize(os.path.join(paths.out, "target-s", "model.safetensors"))
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_exported_draft_matches_transformers(family):
     paths, _ = family
     d = os.path.join(paths.out, "draft")
@@ -99,6 +102,7 @@ def test_exported_draft_matches_transformers(family):
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_questions_come_from_held_out_split(family):
     paths, _ = family
     with open(paths.questions) as f:
@@ -123,6 +127,7 @@ def test_questions_come_from_held_out_split(family):
         assert tag.endswith(":"), q
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_eval_report_written(family):
     paths, _ = family
     with open(os.path.join(paths.run_dir, "report-all.json")) as f:
@@ -138,6 +143,7 @@ def test_eval_report_written(family):
     assert rep["total_bytes"] > 0
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_existing_outputs_refused_and_untouched(family, capsys):
     paths, argv = family
     before = {p: _sha(os.path.join(p, "model.safetensors"))
@@ -201,6 +207,7 @@ def test_bad_stage_and_tiny_corpus(tmp_path):
         df.read_paragraphs(str(small))
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_draft_is_the_better_of_corpus_and_mixture_soft(family):
     """The draft stage trains SoFT on the corpus and on the targets' own text, measures
     greedy S2D MAT of both on held-in prompts, and exports the winner."""
@@ -233,6 +240,7 @@ def test_draft_is_the_better_of_corpus_and_mixture_soft(family):
     assert not any(p in heldout for p in prompts + mat_prompts)
 
 
+@pytest.mark.slow  # CI time: shares the pipeline smoke run (~1.5 min under load)
 def test_sizes_retrains_only_the_named_targets(family, capsys):
     """`--sizes s` rewrites target-s and leaves target-m/l alone; a bad size is refused.
     Runs last in this module: it rewrites the fixture's target-s (same seed, same data)."""
