@@ -70,6 +70,7 @@ def test_generate_rejects_s2d_without_a_draft():
         s2d_jax.generate(PROMPT, target=TARGET, method="s2d")
 
 
+@pytest.mark.slow  # CI time: a training run; train.soft's tests cover the same loop fast
 def test_train_soft_trains_and_exports_a_sorted_draft(tmp_path):
     out = s2d_jax.train_soft(os.path.join(ROOT, "configs", "train", "cpu_soft.yaml"), [
         f"model.path={os.path.join(ROOT, 'configs', 'train', 'cpu_draft_model.yaml')}",

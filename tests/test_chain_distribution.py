@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from s2d_jax.decode import engine
 from s2d_jax.decode.chain import Chain
@@ -20,6 +21,7 @@ V = CFG.vocab_size
 NEW = 3
 
 
+@pytest.mark.slow  # CI time: tests/test_buffer_end.py's [chain] case checks a chain's sampling distribution fast
 def test_three_level_chain_sampling_matches_target_distribution():
     spec = SpecConfig(method="s2d", exits=(1, 2), gamma=2, max_len=24, mus=(2,))
     dcfg = dataclasses.replace(CFG, num_layers=2)

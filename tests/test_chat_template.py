@@ -181,6 +181,7 @@ def test_second_turn_prompt_holds_the_methods_own_first_answer(chatml):
         turns.next_prompt(width=8)(0, [a.answer])
 
 
+@pytest.mark.slow  # CI time: a whole bench run; infer.generate's every-turn test stays fast
 def test_bench_runs_both_turns_and_writes_them(chatml, tmp_path, capsys):
     from infer.bench import main
 
