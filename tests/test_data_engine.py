@@ -134,7 +134,7 @@ def test_a_complete_engine_skips_every_stage(tmp, built, capsys, monkeypatch):
 def test_training_from_the_cache_logs_heldout_agreement_and_resumes(tmp, built):
     train = ["--train", os.path.join(ROOT, "configs", "train", "engine_h100.yaml"),
              "--heldout-prompts", "3", "--heldout-every", "2", "data.seq_len=48",
-             "data.batch_size=8", "mesh.data=8", "optimizer.warmup_steps=1", "draft.exits=[1,2]",
+             "data.batch_size=8", "mesh.data=8", "optimizer.grad_accum_steps=1", "optimizer.warmup_steps=1", "draft.exits=[1,2]",
              "model.dtype=float32", "log_every=1", "checkpoint.save_every=2"]
     data_engine.main(argv(tmp, built) + train + ["optimizer.total_steps=2"])
     data_engine.main(argv(tmp, built) + train + ["optimizer.total_steps=4"])  # resumes at 2

@@ -30,9 +30,11 @@ from s2d_jax.errors import S2DError, cli_main
 
 DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
                               "SmolLM2-135M-Instruct")
-# The fastest of batch 8 / 16 / 32 for SmolLM2-135M's answers on the 2-core CPU (58.7 /
-# 45.8 / 41.1 answer tokens/s, python -m train.bench_answers); rerun it on another machine.
-ANSWER_BATCH = 8
+# SmolLM2-135M's answers on the shared 2-core CPU (python -m train.bench_answers, answer
+# tokens/s at batch 8 / 16 / 32): 62.5 / 60.1 / 76.4 with 64-token answers, 58.7 / 45.8 /
+# 41.1 with 32-token ones (the larger batch pays off on longer answers; answers run to
+# 192). Rerun it on another machine (an accelerator takes far larger batches).
+ANSWER_BATCH = 32
 HELDOUT = "data/smollm2_calibration.jsonl"
 # what the engine sets in the --train config: its cache and outputs under --work
 ENGINE_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "data.teacher",
