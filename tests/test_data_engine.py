@@ -160,3 +160,14 @@ def test_bad_flags_are_one_error_line_and_write_nothing(tmp, capsys, flags, need
     work = tmp / "bad"
     err = cli_error(data_engine.main, capsys, argv(tmp, work) + flags)
     assert needle in err and not work.exists()
+
+
+def test_answer_batches_are_of_similar_lengths_in_a_seeded_random_order():
+    from s2d_jax.data.engine import chosen_prompts
+    pool = ["x" * n for n in range(1, 41)]
+    out = chosen_prompts(pool, 0, 4, seed=0)
+    batches = [out[k:k + 4] for k in range(0, 40, 4)]
+    assert sorted(out) == sorted(pool) and out == chosen_prompts(pool, 0, 4, seed=0)
+    assert all(max(map(len, b)) - min(map(len, b)) == 3 for b in batches)  # neighbours
+    assert [len(b[0]) for b in batches] != sorted(len(b[0]) for b in batches)  # shuffled
+    assert len(chosen_prompts(pool, 10, 4, seed=1)) == 10

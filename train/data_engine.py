@@ -121,7 +121,7 @@ def build_data(args, log) -> tuple[str, str]:
     turns = (engine.magpie_stage(args.work, fp, decoder, tok, args.magpie, args.batch_size,
                                  args.seed, log) if args.magpie else [])
     pool = engine.prompts_stage(args.work, fp, args.prompts, turns, eval_files, log)
-    chosen = engine.chosen_prompts(pool, args.answers, args.seed)
+    chosen = engine.chosen_prompts(pool, args.answers, args.batch_size, args.seed)
     answers = engine.answers_stage(args.work, fp, decoder, tok, chosen, args.batch_size,
                                    args.max_new_tokens, args.seed, log)
     refs = (engine.reference_items(engine.REFERENCES, pool, args.references,

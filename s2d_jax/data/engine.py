@@ -71,10 +71,15 @@ def prompts_stage(work: str, fp: str, files, generated, eval_files, log) -> list
     return [r["prompt"] for r in shards.read_rows(os.path.join(work, "prompts"))]
 
 
-def chosen_prompts(pool: list[str], count: int, seed: int) -> list[str]:
-    """`count` prompts (0 = all) of a seeded draw, by length: a batch pads little."""
-    picks = np.random.default_rng(seed).permutation(len(pool))[:count or len(pool)]
-    return sorted((pool[i] for i in picks), key=len)
+def chosen_prompts(pool: list[str], count: int, batch_size: int, seed: int) -> list[str]:
+    """`count` prompts (0 = all) of a seeded draw, in batches of similar length (a batch
+    pads little) taken in a seeded random order: the first shards of a long run are
+    already a fair sample of every length."""
+    rng = np.random.default_rng(seed)
+    picks = rng.permutation(len(pool))[:count or len(pool)]
+    by_length = sorted((pool[i] for i in picks), key=len)
+    batches = [by_length[k:k + batch_size] for k in range(0, len(by_length), batch_size)]
+    return [p for b in rng.permutation(len(batches)) for p in batches[b]]
 
 
 def answers_stage(work: str, fp: str, decoder, tok, prompts: list[str], batch_size: int,
