@@ -108,6 +108,7 @@ def build_data(args, log) -> tuple[str, str]:
     from s2d_jax.data import engine
     from s2d_jax.data.overlap import EVAL_FILES, eval_ngrams
     from s2d_jax.data.prompt_pool import documents
+    from s2d_jax.data.prompts import resolve_template
     from s2d_jax.data.teacher import rows_states, states_fn
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.checkpoint import load_model
@@ -128,7 +129,6 @@ def build_data(args, log) -> tuple[str, str]:
                                    eval_ngrams(eval_files)) if args.references else [])
     docs = documents(args.documents, eval_files)[0] if args.documents else []
     items = engine.supervision_items(answers, refs, docs)
-    from s2d_jax.data.prompts import resolve_template
     template, _ = resolve_template(tok, "auto", fallback="none")
     fn = states_fn(cfg)
     teacher = engine.teacher_stage(
