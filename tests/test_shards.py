@@ -99,3 +99,24 @@ def test_a_changed_shard_is_recomputed_and_another_plan_refused(tmp_path):
     assert files(tmp_path) == before
     with pytest.raises(S2DError, match="another run"):
         shards.run_stage(str(tmp_path), "answers", "other-target", ITEMS, 3, answer)
+
+
+def with_arrays(batch, k):
+    """Rows plus one array per shard (as the teacher stage's states)."""
+    import numpy as np
+    return answer(batch, k), {"states": np.full((len(batch), 2), k, np.float16)}
+
+
+def test_a_shards_arrays_are_recorded_verified_and_listed(tmp_path):
+    import numpy as np
+    manifest = run(tmp_path, with_arrays)
+    assert manifest["done"]["1"]["arrays"]["states"]["file"] == shards.array_name(1, "states")
+    paths = shards.array_paths(str(tmp_path), "states")
+    assert [np.load(p)[0, 0] for p in paths] == [0, 1, 2, 3]
+    before = files(tmp_path)
+    (tmp_path / shards.array_name(2, "states")).write_bytes(b"half an array")
+    with pytest.raises(S2DError, match="not a complete stage"):
+        shards.array_paths(str(tmp_path), "states")
+    log = []
+    run(tmp_path, with_arrays, log)  # only shard 2 is recomputed
+    assert "3 of 4 shards complete; running 1" in log[0] and files(tmp_path) == before

@@ -202,21 +202,29 @@ def summary_lines(name: str, rows: list[dict]) -> list[str]:
     return lines
 
 
+def first_turns(target: str, questions: str, max_prompts: int, chat_template: str = "auto"
+                ) -> tuple[list[list[int]], int]:
+    """(prompt ids of the first turns of `questions` in the target's template, the token
+    that ends the target's turn)."""
+    from s2d_jax.data.prompts import (encode_questions, end_of_turn_id, read_questions,
+                                      resolve_template)
+    from s2d_jax.io.tokenizer import load_tokenizer
+    tok = load_tokenizer(target)
+    template, _ = resolve_template(tok, chat_template, fallback="none")
+    prompts = encode_questions(tok, read_questions(questions, None, max_prompts), template)
+    return prompts, end_of_turn_id(tok, template)
+
+
 def measure_agreement(target: str, draft_paths, questions: str, max_prompts: int,
                       max_new_tokens: int = 64, chat_template: str = "auto",
                       batch_slots: int = BATCH_SLOTS) -> dict:
     """{"questions", "prompts", "drafts": {path: per-exit rows}}: every draft scored on the
     target's greedy answers to the first turns of `questions`."""
-    from s2d_jax.data.prompts import (encode_questions, end_of_turn_id, read_questions,
-                                      resolve_template)
     from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.checkpoint import load_draft
-    from s2d_jax.io.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(target)
-    template, _ = resolve_template(tok, chat_template, fallback="none")
-    prompts = encode_questions(tok, read_questions(questions, None, max_prompts), template)
+    prompts, eos_id = first_turns(target, questions, max_prompts, chat_template)
     cfg, params, _ = load_model(target, dtype="float32")
     drafts = []
     for path in dict.fromkeys(draft_paths):  # a draft named twice is scored once
@@ -225,8 +233,7 @@ def measure_agreement(target: str, draft_paths, questions: str, max_prompts: int
             raise S2DError(f"draft {path} has vocab_size {d_cfg.vocab_size}, the target "
                            f"{cfg.vocab_size}; use a draft of this target")
         drafts.append(Draft(path, d_cfg, d_params, draft_exits(extra, d_cfg)))
-    answers = target_answers(cfg, params, prompts, max_new_tokens,
-                             end_of_turn_id(tok, template), batch_slots)
+    answers = target_answers(cfg, params, prompts, max_new_tokens, eos_id, batch_slots)
     scored = score_drafts(cfg, params, drafts, prompts, answers, max_new_tokens)
     return {"questions": questions, "prompts": len(prompts),
             "drafts": {d.name: exit_agreement(stats, accept)

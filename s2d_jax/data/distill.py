@@ -87,16 +87,29 @@ def _done_rows(path: str) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def answer_rows(decoder, tok, prompts: list[str], *, temperature: float, seed: int,
+                max_new_tokens: int = 192, template: str = "auto") -> list[dict]:
+    """One batch of the target's answers: rows {"input_ids" (prompt + answer, exactly as
+    the target saw and produced them), "learn_from", "temperature", "prompt"}. `template`
+    as prompts.resolve_template: auto without a chat template renders the prompts as none."""
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
+
+    template, _ = resolve_template(tok, template, fallback="none")
+    ids = [prompt_ids(tok, template, [p]) for p in prompts]
+    res = decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed, eos_id=end_of_turn_id(tok, template))
+    return [{"input_ids": i + r["token_ids"], "learn_from": len(i), "temperature": temperature,
+             "prompt": p} for p, i, r in zip(prompts, ids, res)]
+
+
 def generate_answers(decoder, tok, prompts: list[str], out_path: str, *,
                      max_new_tokens: int = 192, temperatures=(0.0, 1.0), batch_size: int = 32,
                      max_batches: int | None = None, seed: int = 0, log=print) -> dict:
-    """Append one row per (temperature, prompt) to out_path: {"input_ids", "learn_from",
-    "temperature", "prompt"}; resumes after the rows already there. Prompts are rendered
-    with the tokenizer's chat template and batched by length (less padding); max_batches
+    """Append one row per (temperature, prompt) to out_path (`answer_rows`); resumes after
+    the rows already there. Prompts are batched by length (less padding); max_batches
     caps the batches (each answered at every temperature), taken in a seeded random order."""
-    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids
+    from s2d_jax.data.prompts import prompt_ids
 
-    eot = end_of_turn_id(tok, "auto")
     ids = [prompt_ids(tok, "auto", [p]) for p in prompts]
     order = np.argsort([len(i) for i in ids], kind="stable")
     batches = [[int(i) for i in order[k:k + batch_size]] for k in range(0, len(order), batch_size)]
@@ -115,15 +128,12 @@ def generate_answers(decoder, tok, prompts: list[str], out_path: str, *,
         for j, (t, rows) in enumerate(jobs):
             if j < skip:
                 continue
-            res = decoder.generate([ids[i] for i in rows], max_new_tokens=max_new_tokens,
-                                   temperature=t, seed=seed + j, eos_id=eot)
+            out = answer_rows(decoder, tok, [prompts[i] for i in rows], temperature=t,
+                              seed=seed + j, max_new_tokens=max_new_tokens)
             # one write per batch: an interrupted run leaves whole batches
-            f.write("".join(json.dumps({"input_ids": ids[i] + r["token_ids"],
-                                        "learn_from": len(ids[i]), "temperature": t,
-                                        "prompt": prompts[i]}) + "\n"
-                            for i, r in zip(rows, res)))
+            f.write("".join(json.dumps(r) + "\n" for r in out))
             f.flush()
-            tokens += sum(len(r["token_ids"]) for r in res)
+            tokens += sum(len(r["input_ids"]) - r["learn_from"] for r in out)
             log(f"[distill] batch {j + 1}/{len(jobs)} (T = {t:g}): {tokens} answer tokens")
     return {"rows": sum(len(r) for _, r in jobs), "resumed_after": done,
             "new_answer_tokens": tokens}

@@ -6,17 +6,22 @@ shard; shard k's rows may depend only on its items and k (seed + k for sampling)
 shard computed twice is the same shard. DIR/manifest.json holds the plan ("what", the
 target's fingerprint, the items' hash, shard size and count: a rerun with another plan is
 refused, not mixed in) and one record per finished shard (file, rows, tokens, sha256).
-Each shard file is written atomically and only then recorded, so a kill at any point
-leaves whole shards; a rerun verifies the recorded ones, recomputes the rest and, when
+A shard may carry numpy arrays beside its rows (the target's states of its rows):
+`work` then returns (rows, {name: array}), each array is written as its own .npy file
+and recorded with its hash in the shard's record. Each file is written atomically and
+only then recorded, so a kill at any point leaves whole shards; a rerun verifies the recorded ones, recomputes the rest and, when
 every shard is already recorded, says so and does nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import time
+
+import numpy as np
 
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import write_atomic
@@ -32,6 +37,22 @@ def items_hash(items) -> str:
 
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.jsonl"
+
+
+def array_name(k: int, name: str) -> str:
+    return f"shard-{k:05d}.{name}.npy"
+
+
+def _write_arrays(out_dir: str, k: int, arrays: dict) -> dict:
+    """Each array as an atomically written .npy file -> {name: {"file", "sha256"}}."""
+    records = {}
+    for name, array in sorted(arrays.items()):
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(array))
+        write_atomic(os.path.join(out_dir, array_name(k, name)), buf.getvalue())
+        records[name] = {"file": array_name(k, name),
+                         "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}
+    return records
 
 
 def _plan(what: str, target: str, items, shard_size: int) -> dict:
@@ -60,14 +81,21 @@ def _verified(out_dir: str, k: str, record) -> bool:
     if not (isinstance(record, dict) and k.isdigit() and record.get("file") == shard_name(int(k))
             and isinstance(record.get("sha256"), str)):
         return False
-    path = os.path.join(out_dir, record["file"])
-    return os.path.isfile(path) and sha256_of(path) == record["sha256"]
+    arrays = record.get("arrays") or {}
+    if not isinstance(arrays, dict):
+        return False
+    files = [record, *arrays.values()]
+    return all(isinstance(f, dict) and isinstance(f.get("file"), str)
+               and os.path.isfile(os.path.join(out_dir, f["file"]))
+               and sha256_of(os.path.join(out_dir, f["file"])) == f.get("sha256")
+               for f in files)
 
 
 def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int, work,
               tokens=lambda row: 0, log=print) -> dict:
-    """Run `work(shard_items, k) -> rows` (JSON-serialisable dicts) for every shard not yet
-    complete in out_dir; -> the manifest. `tokens(row)` counts a row's supervised tokens."""
+    """Run `work(shard_items, k) -> rows` (JSON-serialisable dicts) or (rows, {name:
+    array}) for every shard not yet complete in out_dir; -> the manifest. `tokens(row)`
+    counts a row's supervised tokens."""
     plan = _plan(what, target, items, shard_size)
     manifest = _read_manifest(out_dir, plan)
     done = {k: r for k, r in manifest["done"].items() if _verified(out_dir, k, r)}
@@ -78,12 +106,16 @@ def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int
     log(f"[{what}] {len(done)} of {plan['shards']} shards complete; running {len(todo)}")
     start = time.perf_counter()
     for n, k in enumerate(todo, 1):
-        rows = work(items[k * shard_size:(k + 1) * shard_size], k)
+        out = work(items[k * shard_size:(k + 1) * shard_size], k)
+        rows, arrays = out if isinstance(out, tuple) else (out, {})
+        # arrays first: a shard's record is written after all of its files
+        arrays = _write_arrays(out_dir, k, arrays) if arrays else None
         data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
         write_atomic(os.path.join(out_dir, shard_name(k)), data)
         done[str(k)] = {"file": shard_name(k), "rows": len(rows),
                         "tokens": int(sum(tokens(r) for r in rows)),
-                        "sha256": hashlib.sha256(data).hexdigest()}
+                        "sha256": hashlib.sha256(data).hexdigest(),
+                        **({"arrays": arrays} if arrays else {})}
         # in shard order: the manifest of a resumed stage is the uninterrupted one's
         manifest["done"] = dict(sorted(done.items(), key=lambda kv: int(kv[0])))
         write_atomic(os.path.join(out_dir, MANIFEST), json.dumps(manifest, indent=1))
@@ -96,6 +128,23 @@ def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int
 
 def read_rows(out_dir: str) -> list[dict]:
     """Every row of a complete stage, in shard order."""
+    shards = _complete(out_dir)["plan"]["shards"]
+    rows = []
+    for k in range(shards):
+        with open(os.path.join(out_dir, shard_name(k)), encoding="utf-8") as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def array_paths(out_dir: str, name: str) -> list[str]:
+    """The .npy files of array `name` of a complete stage, in shard order."""
+    done = _complete(out_dir)["done"]
+    return [os.path.join(out_dir, done[str(k)]["arrays"][name]["file"])
+            for k in range(len(done))]
+
+
+def _complete(out_dir: str) -> dict:
+    """The manifest of a complete stage (every shard recorded and verified)."""
     path = os.path.join(out_dir, MANIFEST)
     manifest = read_json(path, "stage manifest") if os.path.exists(path) else {}
     plan, done = (manifest.get("plan"), manifest.get("done")) if isinstance(manifest, dict) \
@@ -104,8 +153,4 @@ def read_rows(out_dir: str) -> list[dict]:
     if not (isinstance(shards, int) and isinstance(done, dict)
             and all(_verified(out_dir, str(k), done.get(str(k))) for k in range(shards))):
         raise S2DError(f"{out_dir} is not a complete stage; rerun the stage to finish it")
-    rows = []
-    for k in range(shards):
-        with open(os.path.join(out_dir, shard_name(k)), encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
+    return manifest

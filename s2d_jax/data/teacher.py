@@ -61,34 +61,12 @@ class TeacherStates:
         return np.asarray(self.states[flat]).reshape(*np.shape(index), self.dim)
 
 
-def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
-                         batch_tokens: int = 4096, log=print) -> str:
-    """Run the target over every row of `rows_path`, store its final-normed hidden states
-    under `out_dir`. Idempotent: an existing complete dir for the same rows is kept."""
+def states_fn(cfg):
+    """The jitted target pass: tokens [B, T] -> final-normed hidden states [B, T, D] f16."""
     import jax
     import jax.numpy as jnp
 
-    from s2d_jax.data.sources import load_token_rows
-    from s2d_jax.io.atomic import write_atomic
-    from s2d_jax.io.checkpoint import load_model
     from s2d_jax.model import transformer as model
-
-    sha = sha256_of(rows_path)
-    meta_path = os.path.join(out_dir, META)
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            if json.load(f).get("rows_sha256") == sha:
-                log(f"[teacher] {out_dir} is up to date")
-                return out_dir
-    cfg, params, _ = load_model(target_dir, dtype="float32")
-    rows = [r["input_ids"] for r in load_token_rows(rows_path, cfg.vocab_size)]
-    if not rows or min(len(r) for r in rows) < 2:
-        raise S2DError(f"{rows_path} needs rows of at least 2 tokens")
-    offsets = row_offsets([len(r) for r in rows])
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, STATES + ".tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
-                                    shape=(int(offsets[-1]), cfg.hidden_size))
 
     @jax.jit
     def states(params, tokens):
@@ -96,10 +74,15 @@ def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
         h, _ = model.run_layers(params, cfg, model.embed_tokens(params, cfg, tokens), pos)
         return model.rms_norm(h, params["final_norm"], cfg.rms_norm_eps).astype(jnp.float16)
 
-    # Rows by length, padded at the end to a multiple of BUCKET (causal: padding after a
-    # row's tokens changes none of its states), about batch_tokens tokens per call.
+    return states
+
+
+def state_batches(states, params, rows: list[list[int]], batch_tokens: int):
+    """Yield (row indices, their states [len(row) - 1, D] each) for every row, in batches:
+    rows by length, padded at the end to a multiple of BUCKET (causal: padding after a
+    row's tokens changes none of its states), about batch_tokens tokens per call."""
     order = np.argsort([len(r) for r in rows], kind="stable")
-    i, done = 0, 0
+    i = 0
     while i < len(order):
         first = -(-(len(rows[order[i]]) - 1) // BUCKET) * BUCKET
         group = order[i:i + max(1, batch_tokens // first)]
@@ -108,15 +91,103 @@ def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
         for b, j in enumerate(group):
             tokens[b, :len(rows[j]) - 1] = rows[j][:-1]
         x = np.asarray(states(params, tokens))
-        for b, j in enumerate(group):
-            out[offsets[j]:offsets[j + 1]] = x[b, :len(rows[j]) - 1]
+        yield group, [x[b, :len(rows[j]) - 1] for b, j in enumerate(group)]
         i += len(group)
-        done += sum(len(rows[j]) - 1 for j in group)
-        log(f"[teacher] {i}/{len(rows)} rows, {done} states")
+
+
+def rows_states(states, params, rows: list[list[int]], dim: int,
+                batch_tokens: int = 4096) -> np.ndarray:
+    """The states of every row, one after another (row_offsets): [sum(len - 1), D] f16."""
+    offsets = row_offsets([len(r) for r in rows])
+    out = np.zeros((int(offsets[-1]), dim), np.float16)
+    for group, xs in state_batches(states, params, rows, batch_tokens):
+        for j, x in zip(group, xs):
+            out[offsets[j]:offsets[j + 1]] = x
+    return out
+
+
+def _check_rows(rows, rows_path: str) -> None:
+    if not rows or min(len(r) for r in rows) < 2:
+        raise S2DError(f"{rows_path} needs rows of at least 2 tokens")
+
+
+def _finish(out_dir: str, tmp: str, meta: dict) -> str:
+    """Move the written states into place, then write the index (what marks them complete)."""
+    from s2d_jax.io.atomic import write_atomic
+    os.replace(tmp, os.path.join(out_dir, STATES))
+    write_atomic(os.path.join(out_dir, META), json.dumps(meta))
+    return out_dir
+
+
+def _up_to_date(out_dir: str, sha: str, log) -> bool:
+    meta_path = os.path.join(out_dir, META)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            if json.load(f).get("rows_sha256") == sha:
+                log(f"[teacher] {out_dir} is up to date")
+                return True
+    return False
+
+
+def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
+                         batch_tokens: int = 4096, log=print) -> str:
+    """Run the target over every row of `rows_path`, store its final-normed hidden states
+    under `out_dir`. Idempotent: an existing complete dir for the same rows is kept."""
+    from s2d_jax.data.sources import load_token_rows
+    from s2d_jax.io.checkpoint import load_model
+
+    sha = sha256_of(rows_path)
+    if _up_to_date(out_dir, sha, log):
+        return out_dir
+    cfg, params, _ = load_model(target_dir, dtype="float32")
+    rows = [r["input_ids"] for r in load_token_rows(rows_path, cfg.vocab_size)]
+    _check_rows(rows, rows_path)
+    offsets = row_offsets([len(r) for r in rows])
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, STATES + ".tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                    shape=(int(offsets[-1]), cfg.hidden_size))
+    done = 0
+    for group, xs in state_batches(states_fn(cfg), params, rows, batch_tokens):
+        for j, x in zip(group, xs):
+            out[offsets[j]:offsets[j + 1]] = x
+        done += sum(len(x) for x in xs)
+        log(f"[teacher] {done}/{offsets[-1]} states")
     out.flush()
     del out
-    os.replace(tmp, os.path.join(out_dir, STATES))
-    write_atomic(meta_path, json.dumps({"rows_sha256": sha, "rows": rows_path,
-                                        "target": target_dir, "dim": cfg.hidden_size,
-                                        "offsets": offsets.tolist()}))
-    return out_dir
+    return _finish(out_dir, tmp, {"rows_sha256": sha, "rows": rows_path, "target": target_dir,
+                                  "dim": cfg.hidden_size, "offsets": offsets.tolist()})
+
+
+def join_states(parts: list[str], rows_path: str, out_dir: str, target: str, *,
+                log=print) -> str:
+    """One teacher-states dir for `rows_path` from per-shard state files `parts` (.npy,
+    rows in the same order, as the data engine's teacher stage writes them): what
+    data.teacher reads. Idempotent like write_teacher_states."""
+    from s2d_jax.data.sources import load_token_rows
+
+    sha = sha256_of(rows_path)
+    if _up_to_date(out_dir, sha, log):
+        return out_dir
+    arrays = [np.load(p, mmap_mode="r") for p in parts]
+    rows = [r["input_ids"] for r in load_token_rows(rows_path, 1 << 31)]
+    _check_rows(rows, rows_path)
+    offsets = row_offsets([len(r) for r in rows])
+    if sum(a.shape[0] for a in arrays) != offsets[-1]:
+        raise S2DError(f"the state files hold {sum(a.shape[0] for a in arrays)} states, "
+                       f"{rows_path} needs {offsets[-1]}; rerun the teacher stage")
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, STATES + ".tmp")
+    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
+                                    shape=(int(offsets[-1]), arrays[0].shape[1]))
+    at = 0
+    for a in arrays:
+        out[at:at + a.shape[0]] = a
+        at += a.shape[0]
+    out.flush()
+    del out
+    log(f"[teacher] {out_dir}: {at} states of {len(parts)} shards")
+    # the rows named relative to out_dir: a moved cache stays the same bytes
+    return _finish(out_dir, tmp, {"rows_sha256": sha, "rows": os.path.relpath(rows_path,
+                                  out_dir), "target": target, "dim": int(arrays[0].shape[1]),
+                                  "offsets": offsets.tolist()})

@@ -1,0 +1,202 @@
+"""The self-distillation data engine: prompts -> the target's answers -> teacher-forced
+supervision shards -> (with --train) SoFT from that cache, with held-out agreement logged
+while it trains. Every stage resumes after Ctrl-C or kill -9 and skips once complete:
+rerun the same command to continue.
+
+    python -m train.data_engine --work ~/.cache/s2d-jax/engine/smollm2 \\
+        --train configs/train/engine_h100.yaml
+
+Stages, under --work (s2d_jax/data/engine.py; each a dir of shards + manifest.json with
+the plan, the target's fingerprint, rows and tokens per shard):
+  magpie/   --magpie N user turns the target writes itself (default 0: none)
+  prompts/  --prompts files + Magpie turns, deduplicated, without any 8-gram of Spec-Bench,
+            GSM8K test, the calibration prompts or --heldout
+  answers/  the target's answers to --answers of them (0 = all), greedy and T = 1,
+            --batch-size prompts per generation batch
+  teacher/  token rows of the answers, --references GSM8K-train reference solutions and
+            --documents, with the target's final-normed state at every position
+  train/    rows.jsonl + teacher/ (what the trainer reads); with --train CONFIG: ckpt/
+            (resumes), metrics.jsonl, heldout.jsonl (agreement and T = 1 acceptance per
+            exit on --heldout every --heldout-every steps), draft_hf/ (the trained draft)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from infer.args import ArgumentParser, check_at_least, path_arg
+from s2d_jax.errors import S2DError, cli_main
+
+DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
+                              "SmolLM2-135M-Instruct")
+# SmolLM2-135M's answers on the shared 2-core CPU (python -m train.bench_answers, answer
+# tokens/s at batch 8 / 16 / 32): 62.5 / 60.1 / 76.4 with 64-token answers, 58.7 / 45.8 /
+# 41.1 with 32-token ones (the larger batch pays off on longer answers; answers run to
+# 192). Rerun it on another machine (an accelerator takes far larger batches).
+ANSWER_BATCH = 32
+HELDOUT = "data/smollm2_calibration.jsonl"
+# what the engine sets in the --train config: its cache and outputs under --work
+ENGINE_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "data.teacher",
+               "checkpoint.dir", "metrics_path", "export_dir", "export_overwrite")
+
+
+def _files(text: str) -> tuple[str, ...]:
+    return tuple(p for p in text.split(",") if p)
+
+
+def parse_args(argv):
+    from s2d_jax.data.prompt_pool import DOCUMENT_FILES, TRAINING_FILES
+    ap = ArgumentParser(prog="python -m train.data_engine", description=__doc__)
+    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg,
+                    help="the target's HF dir")
+    ap.add_argument("--work", required=True, type=path_arg,
+                    help="where the stages write (e.g. ~/.cache/s2d-jax/engine/smollm2)")
+    ap.add_argument("--prompts", default=",".join(TRAINING_FILES),
+                    help="comma-separated prompt files (GSM8K / self-instruct / ShareGPT)")
+    ap.add_argument("--magpie", type=int, default=0, help="user turns the target writes")
+    ap.add_argument("--answers", type=int, default=0,
+                    help="prompts answered, greedy and at T = 1 (0 = all)")
+    ap.add_argument("--batch-size", type=int, default=ANSWER_BATCH,
+                    help="prompts per generation batch")
+    ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
+    ap.add_argument("--references", type=int, default=1000,
+                    help="GSM8K-train reference solutions teacher-forced (0 = none)")
+    ap.add_argument("--documents", default=",".join(DOCUMENT_FILES),
+                    help="comma-separated plain-text corpora teacher-forced ('' = none)")
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="tokens per supervision row (documents are cut into windows)")
+    ap.add_argument("--teacher-shard", type=int, default=64,
+                    help="supervision items per teacher shard (the unit a rerun resumes at)")
+    ap.add_argument("--heldout", default=HELDOUT, type=path_arg,
+                    help="held-out questions (Spec-Bench format), kept out of training")
+    ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts scored")
+    ap.add_argument("--heldout-every", type=int, default=100,
+                    help="training steps between held-out measurements")
+    ap.add_argument("--train", type=path_arg, default=None,
+                    help="a SoFT config (configs/train/engine_*.yaml): train from the cache")
+    ap.add_argument("--seed", type=int, default=0, help="prompt draw and sampling seed")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of the --train config")
+    args = ap.parse_args(argv)
+    args.prompts, args.documents = _files(args.prompts), _files(args.documents)
+    check_at_least(args, {"magpie": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
+                          "references": 0, "max_tokens": 2, "teacher_shard": 1, "heldout_prompts": 1,
+                          "heldout_every": 1, "seed": 0})
+    if args.overrides and not args.train:
+        raise S2DError("key=value overrides need --train CONFIG; add it or drop them")
+    fixed = [o for o in args.overrides if o.split("=")[0].strip() in ENGINE_KEYS]
+    if fixed:
+        raise S2DError(f"{fixed[0]}: the engine sets {', '.join(ENGINE_KEYS)} (its cache and "
+                       f"outputs under --work); drop the override")
+    if not os.path.isdir(args.target):
+        raise S2DError(f"target {args.target} does not exist; fetch it with "
+                       f"python -m infer.fetch_smollm2 or pass --target DIR")
+    for path in (*args.prompts, *args.documents, args.heldout, *([args.train] * bool(
+            args.train))):
+        if not os.path.isfile(path):
+            raise S2DError(f"{path} does not exist; check the path")
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    check_outputs([Output("--work", args.work, DIR)],
+                  {"--target": args.target, "--prompts": list(args.prompts),
+                   "--documents": list(args.documents), "--heldout": args.heldout,
+                   "--train": args.train})
+    return args
+
+
+def build_data(args, log) -> tuple[str, str]:
+    """Every data stage in order; -> (rows.jsonl, teacher-states dir) for training."""
+    from s2d_jax.data import engine
+    from s2d_jax.data.overlap import EVAL_FILES, eval_ngrams
+    from s2d_jax.data.prompt_pool import documents
+    from s2d_jax.data.prompts import resolve_template
+    from s2d_jax.data.teacher import rows_states, states_fn
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.tokenizer import load_tokenizer
+
+    fp = engine.target_fingerprint(args.target)
+    cfg, params, _ = load_model(args.target, dtype="float32")
+    tok = load_tokenizer(args.target)
+    decoder = Decoder(cfg, params, method="ar", name="target")
+    eval_files = tuple(dict.fromkeys((*EVAL_FILES, args.heldout)))
+    turns = (engine.magpie_stage(args.work, fp, decoder, tok, args.magpie, args.batch_size,
+                                 args.seed, log) if args.magpie else [])
+    pool = engine.prompts_stage(args.work, fp, args.prompts, turns, eval_files, log)
+    chosen = engine.chosen_prompts(pool, args.answers, args.batch_size, args.seed)
+    answers = engine.answers_stage(args.work, fp, decoder, tok, chosen, args.batch_size,
+                                   args.max_new_tokens, args.seed, log)
+    refs = (engine.reference_items(engine.REFERENCES, pool, args.references,
+                                   eval_ngrams(eval_files)) if args.references else [])
+    docs = documents(args.documents, eval_files)[0] if args.documents else []
+    items = engine.supervision_items(answers, refs, docs)
+    template, _ = resolve_template(tok, "auto", fallback="none")
+    fn = states_fn(cfg)
+    teacher = engine.teacher_stage(
+        args.work, fp, items, tok, template,
+        lambda rows: rows_states(fn, params, rows, cfg.hidden_size), args.max_tokens,
+        args.teacher_shard, log)
+    return engine.training_set(args.work, fp, teacher, log)
+
+
+def train_from_cache(args, rows: str, teacher: str, log) -> dict:
+    """SoFT of --train on the cache, resumable from WORK/train/ckpt, held-out agreement
+    logged to WORK/train/heldout.jsonl."""
+    import jax.numpy as jnp
+
+    from s2d_jax.bench.heldout import HeldoutAgreement
+    from s2d_jax.model.sorted_draft import read_head_vocab
+    from s2d_jax.train.config import load_train_config
+    from s2d_jax.train.loop import resolve_draft, train
+
+    out = os.path.join(args.work, "train")
+    over = [f"model.path={args.target}", f"data.tokenizer={args.target}",
+            f"data.paths=[{rows}]", "data.format=tokens", f"data.teacher={teacher}",
+            f"checkpoint.dir={os.path.abspath(os.path.join(out, 'ckpt'))}",
+            f"metrics_path={os.path.join(out, 'metrics.jsonl')}",
+            f"export_dir={os.path.join(out, 'draft_hf')}", "export_overwrite=true",
+            *args.overrides]
+    tc = load_train_config(args.train, over)  # every output under --work (checked)
+    cfg, exits, _ = resolve_draft(tc)
+    head = (jnp.asarray(read_head_vocab(tc.draft.head_vocab, cfg.vocab_size), jnp.int32)
+            if tc.draft.head_vocab else None)
+    hook = HeldoutAgreement(args.target, args.heldout, cfg, exits,
+                            os.path.join(out, "heldout.jsonl"), args.heldout_every,
+                            tc.optimizer.total_steps, args.heldout_prompts, head_ids=head)
+    result = train(tc, progress=False, hooks=[hook])
+    log(f"[train] steps {result['start_step']} -> "
+        f"{result['history'][-1]['step'] if result['history'] else result['start_step']}; "
+        f"draft {tc.export_dir}")
+    return result
+
+
+def summary(work: str) -> dict:
+    """Rows and tokens per stage, from the manifests."""
+    from s2d_jax.data.shards import MANIFEST
+    out = {}
+    for stage in ("magpie", "prompts", "answers", "teacher"):
+        path = os.path.join(work, stage, MANIFEST)
+        if os.path.isfile(path):
+            with open(path) as f:
+                m = json.load(f)
+            out[stage] = {"rows": sum(r["rows"] for r in m["done"].values()),
+                          "tokens": sum(r["tokens"] for r in m["done"].values()),
+                          "target": m["plan"]["target"][:12]}
+    return out
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    rows, teacher = build_data(args, log)
+    log(f"[engine] {json.dumps(summary(args.work))}")
+    if args.train:
+        train_from_cache(args, rows, teacher, log)
+
+
+if __name__ == "__main__":
+    main()
