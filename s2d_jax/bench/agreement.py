@@ -160,6 +160,14 @@ def paired_gain(stats: ExitStats, j: int) -> tuple[float, float]:
     return float(mean), float(np.sqrt(sum((x - mean).sum() ** 2 for x in d)) / n)
 
 
+def agreement_se(stats: ExitStats, j: int) -> float:
+    """Standard error of exit j's greedy agreement, clustered by prompt (as paired_gain)."""
+    c = [x[:, j].astype(np.float64) for x in stats.correct]
+    n = sum(len(x) for x in c)
+    mean = sum(x.sum() for x in c) / n
+    return float(np.sqrt(sum((x - mean).sum() ** 2 for x in c)) / n)
+
+
 def measurable_exits(rows: list[dict], z: float = 2.0) -> list[int]:
     """The exits from the first up to (not past) the first one whose paired agreement gain
     over the exit before it is not at least z standard errors above zero: each kept exit
@@ -178,7 +186,7 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
     correct = np.concatenate(stats.correct)
     conf = np.concatenate(stats.conf)
     rows = [{"exit": int(e), "tokens": int(correct.shape[0]),
-             "agreement": float(correct[:, j].mean()),
+             "agreement": float(correct[:, j].mean()), "agreement_se": agreement_se(stats, j),
              "accept_t1": None if accept_t1 is None else float(accept_t1[j]),
              "confident": float((conf[:, j] >= 0.5).mean()),
              "agreement_when_confident": (float(correct[conf[:, j] >= 0.5, j].mean())

@@ -1,0 +1,175 @@
+"""The data-scaling trend of a sorted draft: held-out agreement per exit against the unique
+supervised tokens it was trained on, its fit, and how many tokens a target level needs.
+
+A point is one trained draft measured on the held-out set: (shape, supervision kind,
+unique tokens, exit, agreement, its standard error). Over the range this study can reach
+on a CPU (0.1M-10M tokens) agreement grows about linearly in log tokens, so the trend is
+    agreement = a + b * log10(tokens)
+fitted by weighted least squares (weights 1 / s.e.^2, the points' own errors scaled by
+the fit's reduced chi-square when it exceeds 1, so a trend that does not follow the
+points gets wider errors, not narrower). The tokens a level L needs are
+10^((L - a) / b); their error comes from the fit's covariance (delta method on
+log10 tokens). A log-linear trend cannot saturate, so beyond the measured range it is an
+estimate of where to look, not a promise: the report says how far it extrapolates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from s2d_jax.errors import S2DError
+
+KINDS = ("on_policy", "teacher_forced")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One trained draft's held-out agreement at one exit."""
+
+    shape: str      # the draft's shape, e.g. "4 layers"
+    kind: str       # supervision: on-policy answers or teacher-forced text (KINDS)
+    tokens: int     # unique supervised tokens it was trained on
+    exit: int
+    agreement: float
+    se: float       # standard error of `agreement` (clustered by prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """agreement = a + b * log10(tokens), with the covariance of (a, b)."""
+
+    a: float
+    b: float
+    cov: np.ndarray
+    points: int
+    chi2_dof: float  # reduced chi-square of the weighted fit (1 = scatter as the s.e. say)
+    token_range: tuple[int, int]
+
+    def at(self, tokens: float) -> float:
+        return self.a + self.b * math.log10(tokens)
+
+    def tokens_for(self, level: float) -> tuple[float, float, float]:
+        """(tokens, low, high) the trend says reach `level`; low/high: +-1 s.e. on
+        log10 tokens. inf when the trend does not rise."""
+        if not self.b > 0:
+            return math.inf, math.inf, math.inf
+        x = (level - self.a) / self.b
+        # d x / d a = -1 / b, d x / d b = -x / b
+        grad = np.array([-1.0 / self.b, -x / self.b])
+        sx = float(math.sqrt(max(grad @ self.cov @ grad, 0.0)))
+        return _pow10(x), _pow10(x - sx), _pow10(x + sx)
+
+
+def _pow10(x: float) -> float:
+    return math.inf if x > 300 else 10 ** x  # a flat trend: "never", not an overflow
+
+
+def check_point(p: Point, where: str) -> Point:
+    """A point read from a file gets the checks a flag would."""
+    if p.kind not in KINDS:
+        raise S2DError(f"{where}: kind {p.kind!r} is not one of {list(KINDS)}")
+    if not (isinstance(p.tokens, int) and p.tokens > 0):
+        raise S2DError(f"{where}: tokens must be a positive integer, got {p.tokens!r}")
+    for name in ("agreement", "se"):
+        v = getattr(p, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1):
+            raise S2DError(f"{where}: {name} must be a finite number in [0, 1], got {v!r}")
+    if p.se <= 0:
+        raise S2DError(f"{where}: se must be > 0 (a point without an error cannot be "
+                       "weighted); measure it on more held-out tokens")
+    return p
+
+
+def fit_log_linear(points: list[Point]) -> Fit:
+    """Weighted least squares of agreement on log10(tokens) over points of one series
+    (one shape, kind and exit). Needs >= 3 points at >= 2 token counts."""
+    if len(points) < 3 or len({p.tokens for p in points}) < 2:
+        raise S2DError(f"a trend needs >= 3 points at >= 2 token counts, got {len(points)}")
+    x = np.log10([p.tokens for p in points])
+    y = np.array([p.agreement for p in points])
+    w = 1.0 / np.array([p.se for p in points]) ** 2
+    X = np.stack([np.ones_like(x), x], axis=1)
+    cov = np.linalg.inv(X.T @ (w[:, None] * X))
+    a, b = cov @ X.T @ (w * y)
+    dof = len(points) - 2
+    chi2_dof = float(np.sum(w * (y - a - b * x) ** 2) / dof) if dof else 1.0
+    cov = cov * max(1.0, chi2_dof)
+    tokens = [p.tokens for p in points]
+    return Fit(float(a), float(b), cov, len(points), chi2_dof, (min(tokens), max(tokens)))
+
+
+def series(points: list[Point]) -> dict[tuple[str, str, int], list[Point]]:
+    """Points grouped by (shape, kind, exit), each sorted by tokens."""
+    out: dict[tuple[str, str, int], list[Point]] = {}
+    for p in points:
+        out.setdefault((p.shape, p.kind, p.exit), []).append(p)
+    return {k: sorted(v, key=lambda p: p.tokens) for k, v in sorted(out.items())}
+
+
+def _tokens(n: float) -> str:
+    if not math.isfinite(n):
+        return "never"
+    return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n / 1e3:.3g}k"
+
+
+def table_lines(points: list[Point], levels=(0.35, 0.45)) -> list[str]:
+    """Markdown: every point, then each series' fit and the tokens each level needs."""
+    lines = ["| shape | supervision | unique tokens | exit | agreement (s.e.) |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {p.shape} | {p.kind} | {_tokens(p.tokens)} | {p.exit} | "
+              f"{p.agreement:.3f} ({p.se:.3f}) |" for p in sorted(
+                  points, key=lambda p: (p.shape, p.kind, p.exit, p.tokens))]
+    fit_rows = []
+    for (shape, kind, ex), pts in series(points).items():
+        if len(pts) < 3:
+            continue
+        f = fit_log_linear(pts)
+        cells = []
+        for level in levels:
+            n, lo, hi = f.tokens_for(level)
+            reach = n / f.token_range[1]
+            cells.append(f"{_tokens(n)} ({_tokens(lo)}-{_tokens(hi)}; "
+                         f"{reach:.3g}x the largest point)")
+        fit_rows.append(f"| {shape} | {kind} | {ex} | {f.a:.3f} + {f.b:.3f} log10 N "
+                        f"(s.e. {math.sqrt(f.cov[1, 1]):.3f}; chi2/dof {f.chi2_dof:.2f}) | "
+                        + " | ".join(cells) + " |")
+    if fit_rows:
+        lines += ["", "| shape | supervision | exit | fit | "
+                  + " | ".join(f"tokens for {level}" for level in levels) + " |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in levels) + " |"]
+        lines += fit_rows
+    return lines
+
+
+def plot(points: list[Point], path: str) -> bool:
+    """Agreement against unique tokens (log x), one marker series per (shape, kind, exit)
+    with its error bars and fitted trend; False (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (shape, kind, ex), pts in series(points).items():
+        t = np.array([p.tokens for p in pts], dtype=float)
+        line = ax.errorbar(t, [p.agreement for p in pts], yerr=[p.se for p in pts],
+                           marker="o" if kind == "on_policy" else "s", linestyle="none",
+                           capsize=3, label=f"{shape}, {kind}, exit {ex}")
+        if len(pts) >= 3:
+            f = fit_log_linear(pts)
+            grid = np.geomspace(t.min(), t.max() * 10, 50)
+            ax.plot(grid, [f.at(g) for g in grid], "--", color=line[0].get_color(), lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("unique supervised tokens")
+    ax.set_ylabel("held-out greedy agreement")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
