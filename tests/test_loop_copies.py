@@ -1,7 +1,8 @@
 """The compiled decode loop updates every KV cache in place: no cache-shaped copy and no
 out-of-place cache update in the loop body (optimized HLO), copies move under 1% of a
-round's bytes, for every method, and the caches stay donated across decode chunks. (Before: S2D's escalation `lax.cond` copied the
-draft cache whole on entry to its branches, 32 copies per round in this tiny S2D.)"""
+round's bytes, for every method, and the caches stay donated across decode chunks.
+(Before: S2D's escalation `lax.cond` copied the draft cache whole on entry to its
+branches, 32 copies per round in this tiny S2D.)"""
 
 import jax
 import jax.numpy as jnp
