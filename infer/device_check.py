@@ -15,8 +15,9 @@ On the first device JAX sees (it refuses a CPU unless --allow-cpu):
       MAT and (ii) --paper-mat, the MAT the paper reports (not built in: pass it).
 Progress goes to stdout; OUT/results.json and OUT/report.md are rewritten after every
 measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU runs the
-demo family (1 question, 16 tokens, greedy, AR/SD/S2D) and tiny shapes (windows 1..3,
-gamma 2) instead.
+demo family (1 question, 16 tokens, greedy, AR / SD at the deepest exit / S2D, gamma 1)
+and tiny shapes (windows 1..2, gamma 1) instead: a smoke test in well under a minute of
+CPU time, most of it XLA compiles.
   (c) with --train-minutes N: SoFT of the SmolLM2 sorted draft for N minutes on the device,
       its exits' held-out agreement with the target logged as it goes (s2d_jax/bench/device_train.py;
       --allow-cpu on a CPU: the demo family's smallest target, short rows).
@@ -39,9 +40,10 @@ SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
 SHAPES = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
           "vicuna-13b": "configs/models/vicuna-13b-v1.5.yaml"}
 DRAFT_SHAPE, DRAFT_EXITS = "configs/models/vicuna-7b-v1.5.yaml", (6, 9, 12)
-# gamma of the Lemma 3.1 prediction and the verify windows timed (1 = an AR step); the CPU
-# smoke run times fewer (each window is a compile)
-GAMMA, WINDOWS = {False: 4, True: 2}, {False: 8, True: 3}
+# gamma of (a)'s speculative runs and of the Lemma 3.1 prediction, and the verify windows
+# timed (1 = an AR step); the CPU smoke run (tiny: True) uses fewer: each window is a
+# compile, and XLA:CPU compiles a gamma-4 decode loop of the demo models in ~5-9 s
+GAMMA, WINDOWS = {False: 4, True: 1}, {False: 8, True: 2}
 
 
 def _parse(argv):
@@ -123,7 +125,8 @@ def train_md(t: dict | None) -> list[str]:
 
 
 def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new_tokens: int,
-              kinds: list[str], temps: list[float], template: str, cost_every: int) -> dict:
+              kinds: list[str], temps: list[float], template: str, cost_every: int,
+              gamma: int = 4, sd_exits: str = "each") -> dict:
     """The Spec-Bench-style run of infer.bench on one target, through the library
     (s2d_jax.bench.runner): every method interleaved per prompt, in-loop round costs
     sampled every `cost_every` prompts -> infer.bench's report entry of the target."""
@@ -142,7 +145,9 @@ def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new
     cfg, params, _ = load_model(target, dtype="float32")  # as infer.bench by default
     d_cfg, d_params, extra = load_draft(draft, target, dtype="float32")
     exits = draft_exits(extra, d_cfg)
-    specs, notes = runner.method_specs(kinds, exits, None, 4, load_serving_config(target))
+    specs, notes = runner.method_specs(kinds, exits, None, gamma, load_serving_config(target))
+    if sd_exits == "deepest":  # each method is a compile of its own decode loop
+        specs = [s for s in specs if s.method != "sd" or s.exits == (exits[-1],)]
     width = prompt_width(turns.longest)
     g_max = max(s.gamma for s in specs)
     max_len = buffer_len(width, max_new_tokens, g_max + 1, min(cfg.max_position_embeddings,
@@ -179,8 +184,10 @@ def check_smollm2(args, res: Results, tiny: bool) -> None:
     out = os.path.join(args.out, "smollm2")
     if tiny:
         target, draft = "models/demo/target-s", "models/demo/draft"
+        # SD at the deepest exit only: the CPU compiles each method's decode loop in 3-9 s
         run = dict(questions="data/demo_questions.jsonl", max_prompts=1, max_new_tokens=16,
-                   template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1)
+                   template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1,
+                   sd_exits="deepest")
     else:
         if not os.path.isdir(SMOLLM2):
             raise S2DError(f"{SMOLLM2} is missing; run python -m infer.fetch_smollm2 first")
@@ -188,7 +195,7 @@ def check_smollm2(args, res: Results, tiny: bool) -> None:
         run = dict(questions="data/spec_bench_question.jsonl", max_prompts=24,
                    max_new_tokens=128, template="auto", kinds=["ar", "sd", "s2d", "s2d-cal"],
                    temps=[0.0, 1.0], cost_every=8)
-    entry = run_bench(target, draft, **run)
+    entry = run_bench(target, draft, **run, gamma=GAMMA[tiny])
     os.makedirs(out, exist_ok=True)
     write_atomic(os.path.join(out, "report.json"), json.dumps(entry, indent=1))
     write_atomic(os.path.join(out, "report.md"), markdown_table(
@@ -214,6 +221,20 @@ def _shape_cfgs(tiny: bool):
     return cfgs, draft, DRAFT_EXITS
 
 
+def _random_params(cfg, seed: int, tiny: bool) -> dict:
+    """Random weights to time calls with (their values do not matter): init_params on the
+    device, or for the tiny shapes numpy draws (XLA:CPU compiles init_params in ~7 s)."""
+    import jax
+    import numpy as np
+
+    from s2d_jax.model import transformer as model
+    if not tiny:
+        return model.init_params(cfg, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda a: jax.device_put(rng.normal(0, 0.02, a.shape).astype(a.dtype)),
+                        model.abstract_params(cfg))
+
+
 def _lemma_speedup(verify_s: dict, step_s: float, mat: float, gamma: int) -> float:
     """Lemma 3.1, n = 2: AR costs V(1) per token; a round of gamma draft steps and one
     verify of gamma + 1 tokens yields `mat` tokens."""
@@ -224,14 +245,11 @@ def _lemma_speedup(verify_s: dict, step_s: float, mat: float, gamma: int) -> flo
 
 def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
     """(b): per-call costs of 7B/13B-shaped targets and the 12-layer draft, random weights."""
-    import jax
-
     from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
-    from s2d_jax.model import transformer as model
 
     cfgs, draft_cfg, exits = _shape_cfgs(tiny)
     max_len, start = (256, 64) if tiny else (2048, 512)
-    draft = model.init_params(draft_cfg, jax.random.key(1))
+    draft = _random_params(draft_cfg, 1, tiny)
     steps = draft_step_probes(draft, draft_cfg, exits, start=start, max_len=max_len)
     for p in steps:
         for _ in range(args.samples):
@@ -239,7 +257,7 @@ def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
     step_s = {e: p.result() for e, p in zip(exits, steps)}
     print(f"draft steps (ms): {[round(1e3 * c, 3) for c in step_s.values()]}", flush=True)
     for name, cfg in cfgs.items():
-        params = model.init_params(cfg, jax.random.key(0))
+        params = _random_params(cfg, 0, tiny)
         entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s}
         for w in range(1, WINDOWS[tiny] + 1):
             probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len)

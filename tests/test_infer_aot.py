@@ -163,9 +163,12 @@ def test_70b_roofline_of_ar_sd_and_s2d_with_the_12_layer_draft():
     assert sorted(rows) == ["ar", "s2d", "sd"], out
     for method, (lo, hi, min_lo, min_hi, t_lo, t_hi) in rows.items():
         assert lo >= min_lo > 0 and hi >= min_hi and t_hi >= t_lo > 0
-        assert hi < 1.5 * min_hi  # no hidden pass over a cache or the weights
+        # no hidden pass over a cache or the weights (before: SD +12%, a copy of every
+        # draft cache block per draft step; now AR +0.7%, SD +3.1%, S2D +4.4%)
+        assert hi < 1.06 * min_hi, out
         assert abs(t_hi / 1e3 - hi * GIB / 3.35e12) < 1e-3 * t_hi / 1e3 + 1e-6
     assert rows["s2d"][0] < rows["s2d"][1]  # escalating to exit 12 reads more than exit 6
     assert rows["ar"][1] < rows["sd"][0]
     assert re.search(r"Lemma 3.1 speedup bound at acceptance 0.25 .*: sd [\d.]+x, s2d", out)
     assert out.count("GiB over the minimum; largest ops") == 3
+    assert out.count("; the excess: matmuls and cache reads +") == 3

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from s2d_jax.config import ModelConfig, RopeScaling, load_model_config
-from s2d_jax.model.kvcache import init_cache
+from s2d_jax.model.kvcache import init_cache, write_layers
 from s2d_jax.model.transformer import (abstract_params, decode_layers, embed_tokens, forward,
                                       lm_logits, param_shapes, run_layers)
 from tiny_models import numpy_params
@@ -231,3 +231,26 @@ def test_block_attention_equals_whole_buffer_attention(block, positions):
     later, _ = step(params, CFG, h, positions.at[1].set(positions[0]), 0, 6, cache,
                     attention_block=block)
     assert float(jnp.abs(later[1] - got[1]).max()) > 1e-2
+
+
+@pytest.mark.parametrize("block", [4, 15])
+def test_deferred_writes_attend_as_if_written(block):
+    """A draft step's layers that only read the cache (defer_writes: the new keys/values
+    are returned, for a write after a lax.cond) attend as the step that writes them first:
+    the new tokens read as one more block after the cache's (not patched into each block
+    read, which made XLA copy every block), their slots in the cache masked, keys past the
+    cache's end dropped (row 1 runs past slot 14)."""
+    params = random_params(CFG)
+    S, B = 15, 2
+    hist = jax.random.normal(jax.random.key(3), (B, 14, CFG.hidden_size))
+    cache = init_cache(CFG, B, S)
+    _, cache = decode_layers(params, CFG, hist, jnp.broadcast_to(jnp.arange(14), (B, 14)), 0, 6,
+                             cache)  # stale keys at the slots the new tokens take
+    h = jax.random.normal(jax.random.key(4), (B, 3, CFG.hidden_size))
+    positions = jnp.asarray([[5, 6, 7], [13, 14, 15]], jnp.int32)
+    want, want_cache = decode_layers(params, CFG, h, positions, 0, 6, cache, attention_block=block)
+    got, (k, v) = decode_layers(params, CFG, h, positions, 0, 6, cache, attention_block=block,
+                                defer_writes=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+    written = write_layers(cache, 0, k, v, jnp.broadcast_to(positions, k.shape[:3]))
+    np.testing.assert_allclose(np.asarray(written.k), np.asarray(want_cache.k), atol=1e-4)

@@ -14,6 +14,7 @@ trained on) where an exit's greedy prediction is the target's, teacher-forced on
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -56,18 +57,34 @@ def heldout_rows(tok, path: str, count: int, length: int):
 
 def agreement(d_params, d_cfg, exits, t_params, t_cfg, rows, mask) -> list[float]:
     """Per exit: the fraction of masked next tokens its argmax shares with the target's."""
-    import jax.numpy as jnp
     import numpy as np
+    want, per_exit = _greedy_tokens(d_params, d_cfg, tuple(exits), t_params, t_cfg, rows)
+    want = np.asarray(want)[:, :-1]
+    return [float(np.mean(np.asarray(got)[:, :-1][mask] == want[mask])) for got in per_exit]
+
+
+def _greedy_tokens(d_params, d_cfg, exits, t_params, t_cfg, rows):
+    """(the target's argmax tokens, each exit's) over rows, in one jitted program (eagerly,
+    the forwards' layer scans compiled one by one took ~9 s of a tiny CPU check)."""
+    import jax.numpy as jnp
+    return _greedy_program()(d_params, t_params, jnp.asarray(rows), d_cfg=d_cfg, exits=exits,
+                             t_cfg=t_cfg)
+
+
+@functools.cache
+def _greedy_program():
+    import jax
+    import jax.numpy as jnp
 
     from s2d_jax.model import transformer as model
     from s2d_jax.model.sorted_draft import multi_exit_logits
-    tokens = jnp.asarray(rows)
-    want = np.asarray(jnp.argmax(model.forward(t_params, t_cfg, tokens)[0], -1))[:, :-1]
-    out = []
-    for lg in multi_exit_logits(d_params, d_cfg, exits, tokens):
-        got = np.asarray(jnp.argmax(lg, -1))[:, :-1]
-        out.append(float(np.mean(got[mask] == want[mask])))
-    return out
+
+    @functools.partial(jax.jit, static_argnames=("d_cfg", "exits", "t_cfg"))
+    def greedy(d_params, t_params, tokens, *, d_cfg, exits, t_cfg):
+        want = jnp.argmax(model.forward(t_params, t_cfg, tokens)[0], -1)
+        return want, [jnp.argmax(lg, -1)
+                      for lg in multi_exit_logits(d_params, d_cfg, exits, tokens)]
+    return greedy
 
 
 def train_for(target: str, minutes: float, heldout: str, tiny: bool, log) -> dict:

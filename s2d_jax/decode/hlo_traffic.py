@@ -35,9 +35,9 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
         "partition-id", "replica-id", "optimization-barrier", "copy-start", "copy-done"}
 SLICING = {"dynamic-slice", "slice", "gather"}
-# Fusions of only these are views: a layer of stacked weights, a block of a cache. XLA:CPU
-# materializes them (read + write) before a matmul; an accelerator's matmul reads the slice
-# where it lies, and the consumer's read of it is counted.
+# Fusions of only these (and scalar index arithmetic) are views: a layer of stacked weights,
+# a block of a cache. XLA:CPU materializes them (read + write) before a matmul; an
+# accelerator's matmul reads the slice where it lies, and the consumer's read is counted.
 VIEW = {"parameter", "constant", "bitcast", "reshape", "dynamic-slice", "slice"}
 # A conditional's branch under this fraction of its dearest one's bytes is a skip (a draft
 # step's zeros for rows that draft no more: ~1% of a step; S2D's escalation skip still
@@ -121,13 +121,19 @@ def _written(mod: Module, comp: str, ins: Instr) -> int:
     return type_bytes(ins.type)
 
 
+def _scalar(ins: Instr) -> bool:
+    """A scalar result: index arithmetic (an attention block's start, min(c * C, S - C))."""
+    arrays = _arrays(ins.type)
+    return bool(arrays) and all(dims == () for _, dims in arrays)
+
+
 def fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     """A fusion reads each operand whole, or only the slices its body takes of it, or
     nothing of the buffer its root updates in place; it writes its result (or the update)."""
     fused = _callees(ins.line)[0]
     body = mod.instrs[fused]
     root = next((i for i in body if i.line.lstrip().startswith("ROOT")), body[-1])
-    if all(i.opcode in VIEW for i in body) and root.opcode != "parameter":
+    if all(i.opcode in VIEW or _scalar(i) for i in body) and root.opcode != "parameter":
         return 0  # a slice its consumer reads in place on a GPU/TPU (XLA:CPU copies it out)
     total = _written(mod, fused, root)
     for p in (i for i in body if i.opcode == "parameter"):
@@ -199,9 +205,14 @@ class Traffic:
         return sorted(self.ops.items(), key=lambda kv: -kv[1])[:n]
 
 
-def _op_label(ins: Instr) -> str:
-    """The JAX op behind an instruction: its op_name without the jit/while/body plumbing."""
+def _op_label(mod: Module, ins: Instr) -> str:
+    """The JAX op behind an instruction: its op_name without the jit/while/body plumbing;
+    a fusion without one (XLA:CPU's matmul fusions) by its root's: "fusion dot"."""
     m = _OP_NAME.search(ins.line)
+    if not m and ins.opcode == "fusion":
+        body = mod.instrs.get(next(iter(_callees(ins.line)), ""), [])
+        root = next((i for i in body if i.line.lstrip().startswith("ROOT")), None)
+        return f"fusion {_op_label(mod, root)}" if root else ins.opcode
     if not m:
         return ins.opcode
     parts = [p for p in m.group(1).split("/") if p and not p.startswith(("jit(", "branch_"))
@@ -236,7 +247,7 @@ def computation_traffic(mod: Module, comp: str, caches) -> Traffic:
         else:
             b = instr_bytes(mod, comp, ins)
             if b:
-                label = _op_label(ins)
+                label = _op_label(mod, ins)
                 out.add(Traffic(b, b, {label: b}))
     return out
 

@@ -10,6 +10,7 @@ real rounds add kernel launches, collectives' latency and imperfect bandwidth us
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 from s2d_jax.errors import S2DError
@@ -30,7 +31,9 @@ DEVICE_BANDWIDTH = {
 DEFAULT_ACCEPTANCE = (0.25,)
 # Ops whose bytes are the minimum's own: matmuls reading weights (dot, dot_general, the CPU
 # matmul kernel's ffi_call) and the attention's block reads of the cache.
-MINIMUM_OPS = re.compile(r"dot|ffi_call|Block/dynamic_slice|BKCH")
+MINIMUM_OPS = re.compile(r"dot|ffi_call|BKCH")
+# The attention's own intermediates (attention.py names their scope).
+ATTENTION_OPS = re.compile(r"attention_block/")
 
 
 def device_bandwidth(name: str, override: float | None = None) -> float | None:
@@ -109,15 +112,25 @@ class RoundBound:
     gamma: int
 
 
-def _span(lo: float, hi: float, fmt: str) -> str:
-    return fmt.format(lo) if abs(hi - lo) <= 1e-9 * max(hi, 1) else \
-        f"{fmt.format(lo)}..{fmt.format(hi)}"
+def _ms(x: float) -> str:
+    """Milliseconds to 3 decimals, or to 3 significant digits below 1 (a tiny model's
+    round), never in e-notation."""
+    digits = 3 if x >= 1 or x <= 0 else max(3, 2 - math.floor(math.log10(x)))
+    return f"{x:.{digits}f}"
+
+
+def _span(lo: float, hi: float, fmt) -> str:
+    """lo, or 'lo..hi' where they differ; `fmt`: a format string or a function."""
+    fmt = fmt if callable(fmt) else fmt.format
+    return fmt(lo) if abs(hi - lo) <= 1e-9 * max(hi, 1) else \
+        f"{fmt(lo)}..{fmt(hi)}"
 
 
 def format_roofline(rounds: list[RoundBound], bandwidth: float, device: str,
                     acceptances=DEFAULT_ACCEPTANCE, top: int = 3) -> list[str]:
     """Printable lines: per method the round's bytes beside the minimum and the time bound;
-    Lemma 3.1's speedups at each acceptance against AR; the largest ops above the minimum."""
+    Lemma 3.1's speedups at each acceptance against AR; what each method moves above its
+    minimum, op by op."""
     gib = 2**30
     lines = [f"  roofline at {bandwidth / 1e12:.3g} TB/s ({device}): a LOWER BOUND on each "
              f"round's time (bytes moved / bandwidth), not a measurement",
@@ -126,7 +139,7 @@ def format_roofline(rounds: list[RoundBound], bandwidth: float, device: str,
         t = r.traffic
         lines.append(f"    {r.method:<8}{_span(t.lo / gib, t.hi / gib, '{:.3f}'):>18} GiB"
                      f"{_span(r.minimum[0] / gib, r.minimum[1] / gib, '{:.3f}'):>16} GiB"
-                     f"{_span(1e3 * t.lo / bandwidth, 1e3 * t.hi / bandwidth, '{:.3f}'):>19} ms")
+                     f"{_span(1e3 * t.lo / bandwidth, 1e3 * t.hi / bandwidth, _ms):>19} ms")
     ar = next((r for r in rounds if r.method == "ar"), None)
     for a in acceptances if ar is not None else ():
         parts = []
@@ -139,13 +152,30 @@ def format_roofline(rounds: list[RoundBound], bandwidth: float, device: str,
             parts.append(f"{r.method} {_span(slow, fast, '{:.2f}')}x")
         lines.append(f"    Lemma 3.1 speedup bound at acceptance {a:g} ({n:.2f} tokens a "
                      f"round, gamma {rounds[-1].gamma}): {', '.join(parts)}")
-    for r in rounds:
-        extra = r.traffic.hi - r.minimum[1]
-        ops = r.traffic.top_ops(len(r.traffic.ops))
-        fmt = lambda rows: ", ".join(f"{n} {b / gib:.3f}" for n, b in rows[:top])  # noqa: E731
-        lines.append(f"    {r.method}: {extra / gib:+.3f} GiB over the minimum; largest ops "
-                     f"(GiB): {fmt(ops)}; beside the matmuls (weights) and the attention's "
-                     f"cache reads: {fmt([o for o in ops if not MINIMUM_OPS.search(o[0])])}")
+    lines += [_excess_line(r, top) for r in rounds] + [EXCESS_LEGEND]
     if any(r.traffic.guessed_loops for r in rounds):
         lines.append("    note: some loops had no known trip count and count once")
     return lines
+
+
+EXCESS_LEGEND = ("    (matmuls: their activations and results beyond the weights, and S2D's "
+                 "head at every exit it passes; attention blocks: the scores and "
+                 "probabilities written and read between the two matmuls of each cache "
+                 "block, which a fused attention kernel keeps on chip; other: elementwise "
+                 "ops on the activations - residual adds, RMSNorm, SwiGLU)")
+
+
+def _excess_line(r: RoundBound, top: int) -> str:
+    """A method's bytes over its (deepest) minimum, op by op: the largest ops, and the
+    excess split into the matmuls' and cache reads' own excess, the attention's blocks
+    (ops of attention.py's `attention_block` scope) and the rest."""
+    gib = 2**30
+    ops = r.traffic.top_ops(len(r.traffic.ops))
+    matmuls = sum(b for n, b in ops if MINIMUM_OPS.search(n)) - r.minimum[1]
+    blocks = [(n, b) for n, b in ops if not MINIMUM_OPS.search(n) and ATTENTION_OPS.search(n)]
+    rest = [(n, b) for n, b in ops if not MINIMUM_OPS.search(n) and not ATTENTION_OPS.search(n)]
+    fmt = lambda rows: ", ".join(f"{n} {b / gib:.3f}" for n, b in rows[:top])  # noqa: E731
+    return (f"    {r.method}: {(r.traffic.hi - r.minimum[1]) / gib:+.3f} GiB over the minimum; "
+            f"largest ops (GiB): {fmt(ops)}; the excess: matmuls and cache reads "
+            f"{matmuls / gib:+.3f}, attention blocks {sum(b for _, b in blocks) / gib:.3f} "
+            f"({fmt(blocks)}), other {sum(b for _, b in rest) / gib:.3f} ({fmt(rest)})")

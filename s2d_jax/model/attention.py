@@ -43,8 +43,12 @@ def attention(q, k, v, mask, cfg: ModelConfig):
 def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, new_kv=None):
     """Attention of q [B,T,N,H] at positions [B,T] to the slots <= position of cache layer
     `layer` (kc/vc [L, B, K, S, H]) -> [B,T,N,H]. `new_kv`: (k, v) [B,T,K,H] of the query
-    tokens, not yet written to the cache: each block read is patched with them as if they
-    had been (the caller writes them later, outside a `lax.cond` that must not copy it).
+    tokens, not yet written to the cache (the caller writes them later, outside a `lax.cond`
+    that must not copy it): the same result as if they had been, read as one more block
+    after the cache's, whose slots at their positions are masked out. (Patching them into
+    each block read instead made XLA copy every block before the patch: the whole draft
+    cache read and written again per draft step, 0.56 GiB a round for the 70B target's
+    12-layer draft, docs/distributed.md.)
 
     Block by block over the slots up to the batch's largest position, with a running
     softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
@@ -53,19 +57,43 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     S = kc.shape[3]
     C = min(block, S)
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
-    neg = jnp.finfo(jnp.float32).min
     n_blocks = jnp.minimum(jnp.max(positions), S - 1) // C + 1
 
     def body(c, carry):
-        m, norm, acc = carry
         lo = c * C
         start = jnp.minimum(lo, S - C)  # the last block may overlap the one before it
-        kb, vb = _read_block(kc, vc, layer, start, C, q.dtype, positions, new_kv)
+        kb, vb = _read_block(kc, vc, layer, start, C, q.dtype)
         slots = start + jnp.arange(C)
         ok = (slots[None, None, :] >= lo) & (slots[None, None, :] <= positions[:, :, None])
+        if new_kv is not None:  # those slots' keys are the new ones, read after the cache
+            ok = ok & ~jnp.any(slots[None, None, :] == positions[:, :, None], axis=1)[:, None]
+        return _softmax_step(carry, q, kb, vb, ok)
+
+    shape = (B, cfg.num_kv_heads, cfg.num_groups, T)
+    init = (jnp.full(shape, NEG), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (H,), jnp.float32))
+    carry = jax.lax.fori_loop(0, n_blocks, body, init)
+    if new_kv is not None:  # key t' as slot positions[t'] (dropped past the cache's end)
+        kn, vn = (jnp.einsum("BTKH->BKTH", x.astype(q.dtype)) for x in new_kv)
+        ok = ((positions[:, None, :] <= positions[:, :, None])
+              & (positions[:, None, :] < S))  # [B, T query, T key]
+        carry = _softmax_step(carry, q, kn, vn, ok)
+    _, norm, acc = carry
+    out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
+    return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
+
+
+NEG = jnp.finfo(jnp.float32).min
+
+
+def _softmax_step(carry, q, kb, vb, ok):
+    """The running softmax (max, normalizer, weighted sum) of q [B,T,K,G,H] over one more
+    block of keys/values kb, vb [B,K,C,H], where ok [B,T,C] (True = may attend)."""
+    m, norm, acc = carry
+    with jax.named_scope("attention_block"):  # names its ops in HLO traffic reports
         ok = ok[:, None, None]  # [B, 1, 1, T, C]
-        s = jnp.einsum("BTKGH,BKCH->BKGTC", q, kb) * (H ** -0.5)
-        s = jnp.where(ok, s.astype(jnp.float32), neg)
+        s = jnp.einsum("BTKGH,BKCH->BKGTC", q, kb) * (q.shape[-1] ** -0.5)
+        s = jnp.where(ok, s.astype(jnp.float32), NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
         rescale = jnp.exp(m - m_new)
@@ -73,24 +101,9 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
         return (m_new, norm * rescale + jnp.sum(p, axis=-1),
                 acc * rescale[..., None] + pv.astype(jnp.float32))
 
-    shape = (B, cfg.num_kv_heads, cfg.num_groups, T)
-    init = (jnp.full(shape, neg), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (H,), jnp.float32))
-    _, norm, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-    out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
-    return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
 
-
-def _read_block(kc, vc, layer, start, C, dtype, positions, new_kv):
+def _read_block(kc, vc, layer, start, C, dtype):
     """Keys/values [B, K, C, H] of slots [start, start + C) of cache layer `layer`, read as
-    the layer computes (`dtype`; the cache may be stored narrower), with `new_kv` patched in
-    at `positions` where they fall inside the block."""
+    the layer computes (`dtype`; the cache may be stored narrower)."""
     at, size = (layer, 0, 0, start, 0), (1,) + kc.shape[1:3] + (C, kc.shape[4])
-    kb = jax.lax.dynamic_slice(kc, at, size)[0].astype(dtype)
-    vb = jax.lax.dynamic_slice(vc, at, size)[0].astype(dtype)
-    if new_kv is not None:  # slots outside this block go to C, which "drop" skips
-        rel = jnp.where((positions >= start) & (positions < start + C), positions - start, C)
-        bidx = jnp.arange(positions.shape[0])[:, None]
-        kb = kb.at[bidx, :, rel].set(new_kv[0].astype(kb.dtype), mode="drop")
-        vb = vb.at[bidx, :, rel].set(new_kv[1].astype(vb.dtype), mode="drop")
-    return kb, vb
+    return tuple(jax.lax.dynamic_slice(x, at, size)[0].astype(dtype) for x in (kc, vc))
