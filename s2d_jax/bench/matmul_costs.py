@@ -4,7 +4,8 @@ Speculative decoding pays when verifying k tokens costs about one step; on CPU t
 on the matmuls (model/small_matmul.py). Measured here in one process, the probes timed in
 turn (round-robin, median of `repeats`), so both paths see the same machine state:
 - each projection of a decoder block (wq .. w_down) across all layers, as a step reads
-  them (one layer's weights after another from the stacks), and the LM head;
+  them (one layer's weights after another from the stacks), the cached attention of all
+  layers (cpu_attention.cc or XLA's blockwise path) and the LM head;
 - the whole cached forward of k tokens (model.forward with a K/V cache, the target's
   verify call; k = 1 is the decode step), inside a loop on a carried cache as the engine
   runs it (per forward: (T(n forwards) - T(0)) / n).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
 from s2d_jax.model import transformer as model
+from s2d_jax.model.attention import ATTENTION_BLOCK, cache_attention
 from s2d_jax.model.kvcache import init_cache
 
 # name -> einsum of the block (x's letters, then the weight's) as model.block.block runs it
@@ -41,6 +43,18 @@ def _projection_fn(eq: str, kernel: bool):
             y = model.dense(eq, x, small_matmul.StackedWeight(stack, l), x.dtype, kernel)
             return x.at[(0,) * x.ndim].add(1e-6 * y.reshape(-1)[0]), acc + y.reshape(-1)[0]
         return jax.lax.fori_loop(0, stack.shape[0], body, (x, jnp.float32(0)))[1]
+    return run
+
+
+def _attention_fn(cfg: ModelConfig):
+    """(cache, q, positions) -> the cached attention of every layer in turn, as a step
+    runs it (the kernel, or XLA's blockwise path); chained as the projections are."""
+    def run(cache, q, pos):
+        def body(l, carry):
+            q, acc = carry
+            y = cache_attention(q, cache.k, cache.v, l, pos, cfg, ATTENTION_BLOCK)
+            return q.at[(0,) * q.ndim].add(1e-6 * y.reshape(-1)[0]), acc + y.reshape(-1)[0]
+        return jax.lax.fori_loop(0, cfg.num_layers, body, (q, jnp.float32(0)))[1]
     return run
 
 
@@ -73,6 +87,9 @@ def probes(params: dict, cfg: ModelConfig, rows: list[int], max_len: int, positi
             cache = init_cache(cfg, 1, max_len)
             toks = jnp.ones((1, m), jnp.int32)
             pos = position + jnp.arange(m, dtype=jnp.int32)[None]
+            q = jnp.ones((1, m, cfg.num_heads, cfg.head_dim), dt)
+            out[("attention", path, m)] = (_compile(_attention_fn(cfg), kernel, cache, q, pos),
+                                           (cache, q, pos))
             loop = _compile(_step_loop_fn(cfg), kernel, params, cache, toks, pos, jnp.int32(0))
             for key, n in (("step", STEP_CALLS), ("step_empty", 0)):
                 out[(key, path, m)] = (loop, (params, cache, toks, pos, jnp.int32(n)))
@@ -115,13 +132,13 @@ def table(med: dict, rows: list[int]) -> list[str]:
     for m in rows:
         for path in PATHS:
             med[("step", path, m)] = (med[("step", path, m)] - med.pop(("step_empty", path, m))) / STEP_CALLS
-    items = list(PROJECTIONS) + ["head", "step"]
-    lines = [f"{'item':8} {'path':6} " + " ".join(f"{'M=' + str(m):>14}" for m in rows)]
+    items = list(PROJECTIONS) + ["attention", "head", "step"]
+    lines = [f"{'item':9} {'path':6} " + " ".join(f"{'M=' + str(m):>14}" for m in rows)]
     for item in items:
         for path in PATHS:
             base = med[(item, path, rows[0])]
             cells = [f"{med[(item, path, m)] * 1e3:7.3f} ({med[(item, path, m)] / base:4.2f})"
                      for m in rows]
-            lines.append(f"{item:8} {path:6} " + " ".join(cells))
-    lines.append("ms per call (ratio to M = %d); projections: summed over all layers" % rows[0])
+            lines.append(f"{item:9} {path:6} " + " ".join(cells))
+    lines.append("ms per call (ratio to M = %d); projections and attention: summed over all layers" % rows[0])
     return lines

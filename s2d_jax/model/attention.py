@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
+from s2d_jax.model import small_matmul
 
 # Slots a decode step's attention reads per block. The cache is a static buffer (max_len
 # slots) but a row's keys end at its position: blocks past the batch's last position are
@@ -52,8 +53,13 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
 
     Block by block over the slots up to the batch's largest position, with a running
     softmax (max, normalizer, weighted sum rescaled as the max grows): the same result as
-    one softmax over every slot, up to float rounding. block >= S is one block."""
+    one softmax over every slot, up to float rounding. block >= S is one block.
+
+    On a single CPU device with the small-matmul kernels built, the cached attention
+    kernel (cpu_attention.cc) does the same in one call, reading the cache in place."""
     B, T, _, H = q.shape
+    if small_matmul.usable(B * T) and kc.dtype in (jnp.float32, jnp.bfloat16):
+        return _kernel_attention(q, kc, vc, layer, positions, cfg, new_kv)
     S = kc.shape[3]
     C = min(block, S)
     q = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
@@ -107,3 +113,16 @@ def _read_block(kc, vc, layer, start, C, dtype):
     the layer computes (`dtype`; the cache may be stored narrower)."""
     at, size = (layer, 0, 0, start, 0), (1,) + kc.shape[1:3] + (C, kc.shape[4])
     return tuple(jax.lax.dynamic_slice(x, at, size)[0].astype(dtype) for x in (kc, vc))
+
+
+def _kernel_attention(q, kc, vc, layer, positions, cfg: ModelConfig, new_kv):
+    """cache_attention on the CPU kernel: float32 scores, softmax and sums -> q's dtype."""
+    B, T, N, H = q.shape
+    shape = (B, T, cfg.num_kv_heads, cfg.num_groups, H)
+    fresh = (jnp.zeros((B, T, cfg.num_kv_heads, H), jnp.float32),) * 2 if new_kv is None \
+        else tuple(x.astype(jnp.float32) for x in new_kv)
+    call = jax.ffi.ffi_call("s2d_decode_attention", jax.ShapeDtypeStruct(shape, jnp.float32),
+                            vmap_method="sequential")
+    out = call(q.reshape(shape).astype(jnp.float32), kc, vc, jnp.asarray(layer, jnp.int32),
+               positions.astype(jnp.int32), *fresh, patch=new_kv is not None)
+    return out.astype(q.dtype).reshape(B, T, N, H)

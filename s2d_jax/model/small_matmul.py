@@ -34,12 +34,16 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "small_matmul.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# One library for the CPU decode path's kernels: the matmul here and the cached attention
+# (cpu_attention.cc, called from model/attention.py), built and loaded together.
+SOURCES = tuple(os.path.join(_HERE, f) for f in ("small_matmul.cc", "cpu_attention.cc"))
 # Rows served by the kernel (in passes of 8 over the weights); more rows (a prefill) go to
 # XLA's general matmul, which is compute-efficient there.
 MAX_ROWS = 32
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-_TARGETS = {"kn": "S2dSmallMatmulKN", "nk": "S2dSmallMatmulNK"}
+_TARGETS = {"s2d_small_matmul_kn": "S2dSmallMatmulKN", "s2d_small_matmul_nk": "S2dSmallMatmulNK",
+            "s2d_decode_attention": "S2dDecodeAttention"}
 
 
 @struct.dataclass
@@ -75,8 +79,10 @@ def _cpu_key() -> str:
 
 
 def library_path() -> str:
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            src += f.read()
     key = hashlib.sha256(src + jax.ffi.include_dir().encode() + jax.lib.__version__.encode()
                          + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
     return os.path.join(_cache_dir(), f"small_matmul-{key}.so")
@@ -94,7 +100,7 @@ def build(verbose: bool = False) -> str:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out))
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), *SOURCES, "-o", tmp]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
@@ -116,8 +122,8 @@ def _load() -> str | None:
         return "disabled by S2D_SMALL_MATMUL=0"
     try:
         lib = ctypes.cdll.LoadLibrary(build())
-        for layout, symbol in _TARGETS.items():
-            jax.ffi.register_ffi_target(f"s2d_small_matmul_{layout}",
+        for name, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(name,
                                         jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         reason = f"not built ({e})"
