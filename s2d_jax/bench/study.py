@@ -168,7 +168,7 @@ def train_point(study: Study, point: StudyPoint, rows: str, head: str | None, lo
     teacher = None
     if base.draft.kd_weight > 0:  # the target's distribution: its states at every row position
         teacher = write_teacher_states(study.target, rows, os.path.join(
-            os.path.dirname(rows), "teacher"), log=lambda m: None)
+            os.path.dirname(rows), "teacher"), log=log)
     row_tokens = sum(len(r["input_ids"]) for r in read_jsonl(rows))
     steps = steps_for(row_tokens, base.data.batch_size, base.data.seq_len, study.epochs,
                       study.min_steps, study.max_steps)
