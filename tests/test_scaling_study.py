@@ -105,6 +105,28 @@ def test_a_budget_beyond_the_data_waits_with_a_message(tmp, engine, study, capsy
     assert len(rows(study / "points.jsonl")) == 8
 
 
+class Slept(Exception):
+    pass
+
+
+@pytest.mark.slow  # needs the study fixture
+def test_with_wait_minutes_a_waiting_point_is_looked_for_again(tmp, engine, study,  # noqa: F811
+                                                               capsys, monkeypatch):
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+        if len(slept) == 2:
+            raise Slept
+
+    monkeypatch.setattr(scaling_study.time, "sleep", sleep)
+    with pytest.raises(Slept):
+        scaling_study.main(argv(tmp, engine, study, budgets="10,100000")
+                           + ["--kinds", "on_policy", "--wait-minutes", "0.5"])
+    assert slept == [30, 30]
+    assert capsys.readouterr().out.count("the engine holds") == 2
+
+
 KILLER = """
 import os, signal, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

@@ -3,7 +3,8 @@ unique supervised tokens from a data engine's cache, on-policy answers against
 teacher-forced text, for each draft shape; one points.jsonl row per (point, exit) and the
 report (table, fits, plot). Leave it running for hours or days: every point resumes after
 Ctrl-C or kill -9, a finished point is skipped, and a point whose data the engine has not
-written yet is skipped with a message, so rerunning the same command picks it up.
+written yet is skipped with a message, so rerunning the same command picks it up (or, with --wait-minutes N, the running one
+looks again every N minutes until every point is done).
 
     nohup python -m train.scaling_study --engine ~/.cache/s2d-jax/engine/smollm2 \\
         > ~/.cache/s2d-jax/scaling/smollm2.log 2>&1 &
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 
 from infer.args import ArgumentParser, check_at_least, finite_number, parse_floats, parse_ints, \
     path_arg
@@ -74,6 +76,9 @@ def parse_args(argv):
     ap.add_argument("--min-steps", type=int, default=100, help="fewest training steps")
     ap.add_argument("--max-steps", type=int, default=4000, help="most training steps")
     ap.add_argument("--levels", default="0.35,0.45", help="agreement levels the report predicts")
+    ap.add_argument("--wait-minutes", type=finite_number, default=0,
+                    help="while points wait for the engine's data, retry every this many "
+                    "minutes (0: stop once the points with data are done)")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of --config (every point)")
     return check_args(ap.parse_args(argv), KINDS)
 
@@ -89,6 +94,8 @@ def check_args(args, kinds):
         raise S2DError(f"--kinds: {bad[0]!r} is not one of {list(kinds)}")
     check_at_least(args, {"exit_step": 1, "heldout_prompts": 1,
                           "head_vocab": 0, "min_steps": 1, "max_steps": args.min_steps})
+    if not (0 <= args.wait_minutes and math.isfinite(args.wait_minutes)):
+        raise S2DError(f"--wait-minutes must be >= 0, got {args.wait_minutes}")
     if not (args.epochs > 0 and math.isfinite(args.epochs)):
         raise S2DError(f"--epochs must be > 0, got {args.epochs}")
     if not all(0 < v < 1 for v in args.levels):
@@ -157,7 +164,12 @@ def main(argv=None):
                   levels=tuple(args.levels))
     points = [StudyPoint(s, exits_for(s, args.exit_step), k, b)
               for s in args.shapes for k in args.kinds for b in args.budgets]
-    waiting = run_study(study, points, tuple(dict.fromkeys((*EVAL_FILES, args.heldout))), log)
+    eval_files = tuple(dict.fromkeys((*EVAL_FILES, args.heldout)))
+    waiting = run_study(study, points, eval_files, log)
+    while waiting and args.wait_minutes:  # the engine is still writing: look again later
+        log(f"[study] waiting {args.wait_minutes:g} min for the engine's data")
+        time.sleep(args.wait_minutes * 60)
+        waiting = run_study(study, points, eval_files, log)
     log(f"[study] {len(points) - len(waiting)} of {len(points)} points finished"
         + (f"; waiting for data: {', '.join(waiting)} (rerun later)" if waiting else "")
         + f"; points {os.path.join(args.out, 'points.jsonl')}")
