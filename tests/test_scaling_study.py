@@ -103,6 +103,12 @@ def test_a_budget_beyond_the_data_waits_with_a_message(tmp, engine, study, capsy
     assert "waiting for data: 2L-on_policy-100000" in out
     assert not (study / "data" / "on_policy-100000").exists()
     assert len(rows(study / "points.jsonl")) == 8
+    capsys.readouterr()
+    scaling_study.main(argv(tmp, engine, study, budgets="10,100000") + ["--kinds",
+                                                                       "teacher_forced"])
+    out = capsys.readouterr().out
+    assert "teacher_forced 100000 tokens: skipped, the text sources hold" in out
+    assert "waiting for data" not in out  # the text does not grow: nothing to wait for
 
 
 class Slept(Exception):

@@ -33,6 +33,10 @@ CACHE = os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax")
 DEFAULT_TARGET = os.path.join(CACHE, "SmolLM2-135M-Instruct")
 HELDOUT = "data/smollm2_calibration.jsonl"
 CONFIG = "configs/train/scaling_study.yaml"
+# 10x for both kinds up to the ~0.91M tokens of teacher-forced text the sources hold at
+# seq_len 256 (GSM8K-train references 0.58M, Shakespeare 0.33M), on-policy on to 2M (the
+# engine's ~7.8k prompts answered twice hold ~2.3M answer tokens)
+BUDGETS = "90k,200k,400k,900k,2M"
 # what the study sets in --config per point
 STUDY_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "data.teacher",
               "data.num_epochs", "draft.exits", "draft.head_vocab", "optimizer.total_steps",
@@ -58,7 +62,7 @@ def parse_args(argv):
     ap = ArgumentParser(prog="python -m train.scaling_study", description=__doc__)
     ap.add_argument("--engine", required=True, type=path_arg, help="a data engine's --work dir")
     ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg, help="the target's HF dir")
-    ap.add_argument("--budgets", default="200k,500k,1M,2M", help="unique supervised tokens per point")
+    ap.add_argument("--budgets", default=BUDGETS, help="unique supervised tokens per point")
     ap.add_argument("--shapes", default="4,8", help="draft depths (the target's first N layers)")
     ap.add_argument("--exit-step", type=int, default=2, help="an exit every this many layers")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"supervision kinds, of {KINDS}")

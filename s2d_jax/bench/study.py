@@ -115,8 +115,10 @@ def point_data(study: Study, sources: Sources, kind: str, budget: int, log) -> s
         return path
     rows, seen = take_budget(sources.rows(kind), budget)
     if not rows:
-        log(f"[study] {kind} {budget} tokens: skipped, the engine holds {seen} {kind} tokens "
-            f"so far; rerun once it has more")
+        log(f"[study] {kind} {budget} tokens: skipped, " + (
+            f"the engine holds {seen} {kind} tokens so far; rerun once it has more"
+            if kind == "on_policy" else f"the text sources hold {seen} tokens (fixed: "
+            f"add --documents for more)"))
         return None
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _write_jsonl(path, rows)
@@ -221,13 +223,15 @@ def run_point(study: Study, sources: Sources, point: StudyPoint, head: str | Non
 
 
 def run_study(study: Study, points: list[StudyPoint], eval_files, log) -> list[str]:
-    """Every point in order, then the report; -> the points still waiting for data."""
+    """Every point in order, then the report; -> the points still waiting for data (the
+    engine's answers grow while it runs; the text sources do not)."""
     from s2d_jax.bench.scaling import read_points, write_report
     from s2d_jax.config import read_hf_config
     sources = Sources(study, eval_files)
     vocab = read_hf_config(os.path.join(study.target, "config.json")).vocab_size
     head = head_vocab(study, sources, min(p.budget for p in points), vocab)
-    waiting = [p.name for p in points if not run_point(study, sources, p, head, log)]
+    waiting = [p.name for p in points if not run_point(study, sources, p, head, log)
+               and p.kind == "on_policy"]
     path = os.path.join(study.out, "points.jsonl")
     if os.path.isfile(path):
         _, wrote = write_report(read_points(path), os.path.join(study.out, "report"),
