@@ -13,16 +13,11 @@ log10 tokens and the tokens it needs for --levels), OUT/fits.json and OUT/scalin
 
 from __future__ import annotations
 
-import json
 import os
 
 from infer.args import ArgumentParser, check_output_path, parse_floats, path_arg
 from s2d_jax.errors import S2DError, cli_main
-from s2d_jax.io.atomic import write_atomic
 from s2d_jax.io.outputs import DIR, Output, check_outputs
-from s2d_jax.readers import parse_json, read_text
-
-FIELDS = ("shape", "kind", "tokens", "exit", "agreement", "se")
 
 
 def parse_args(argv):
@@ -42,51 +37,14 @@ def parse_args(argv):
     return args
 
 
-def read_points(path: str):
-    from s2d_jax.bench.scaling import Point, check_point
-
-    points = []
-    for n, line in enumerate(read_text(path, "points file").splitlines(), 1):
-        if not line.strip():
-            continue
-        row = parse_json(line, path, "points file", n)
-        if not isinstance(row, dict) or set(FIELDS) - set(row):
-            raise S2DError(f"points file {path}:{n} needs the fields {list(FIELDS)}; "
-                           "see python -m infer.scaling_report --help")
-        if isinstance(row["tokens"], bool) or isinstance(row["exit"], bool) \
-                or not isinstance(row["exit"], int):
-            raise S2DError(f"points file {path}:{n}: tokens and exit must be integers")
-        points.append(check_point(Point(**{k: row[k] for k in FIELDS}), f"points file {path}:{n}"))
-    if not points:
-        raise S2DError(f"points file {path} has no points; run the study first")
-    return points
-
-
 @cli_main
 def main(argv=None):
-    from s2d_jax.bench import scaling
-    from s2d_jax.bench.report import PLOT_EXTRA
+    from s2d_jax.bench.scaling import read_points, write_report
 
     args = parse_args(argv)
-    points = read_points(args.points)
-    fits = {}
-    for (shape, kind, ex), pts in scaling.series(points).items():
-        if len(pts) >= 3:
-            f = scaling.fit_log_linear(pts)
-            fits[f"{shape} | {kind} | exit {ex}"] = {
-                "a": f.a, "b": f.b, "cov": f.cov.tolist(), "chi2_dof": f.chi2_dof,
-                "token_range": list(f.token_range),
-                "tokens_for": {str(v): list(f.tokens_for(v)) for v in args.levels}}
-    lines = scaling.table_lines(points, tuple(args.levels))
-    os.makedirs(args.out, exist_ok=True)
-    write_atomic(os.path.join(args.out, "table.md"), "\n".join(lines) + "\n")
-    write_atomic(os.path.join(args.out, "fits.json"), json.dumps(fits, indent=1) + "\n")
+    lines, wrote = write_report(read_points(args.points), args.out, tuple(args.levels))
     print("\n".join(lines))
-    if scaling.plot(points, os.path.join(args.out, "scaling.png")):
-        print(f"wrote {args.out}/table.md, fits.json, scaling.png")
-    else:
-        print(f"wrote {args.out}/table.md, fits.json; scaling.png skipped: matplotlib is not "
-              f"installed ({PLOT_EXTRA})")
+    print(wrote)
     return 0
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ import math
 import numpy as np
 
 from s2d_jax.errors import S2DError
+from s2d_jax.readers import parse_json, read_text
 
 KINDS = ("on_policy", "teacher_forced")
+FIELDS = ("shape", "kind", "tokens", "exit", "agreement", "se")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,3 +175,53 @@ def plot(points: list[Point], path: str) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def read_points(path: str):
+    points = []
+    for n, line in enumerate(read_text(path, "points file").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = parse_json(line, path, "points file", n)
+        if not isinstance(row, dict) or set(FIELDS) - set(row):
+            raise S2DError(f"points file {path}:{n} needs the fields {list(FIELDS)}; "
+                           "see python -m infer.scaling_report --help")
+        if isinstance(row["tokens"], bool) or isinstance(row["exit"], bool) \
+                or not isinstance(row["exit"], int):
+            raise S2DError(f"points file {path}:{n}: tokens and exit must be integers")
+        points.append(check_point(Point(**{k: row[k] for k in FIELDS}), f"points file {path}:{n}"))
+    if not points:
+        raise S2DError(f"points file {path} has no points; run the study first")
+    return points
+
+
+def fits_record(points: list[Point], levels) -> dict:
+    """fits.json: every series of >= 3 points, its fit and the tokens each level needs."""
+    fits = {}
+    for (shape, kind, ex), pts in series(points).items():
+        if len(pts) >= 3:
+            f = fit_log_linear(pts)
+            fits[f"{shape} | {kind} | exit {ex}"] = {
+                "a": f.a, "b": f.b, "cov": f.cov.tolist(), "chi2_dof": f.chi2_dof,
+                "token_range": list(f.token_range),
+                "tokens_for": {str(v): list(f.tokens_for(v)) for v in levels}}
+    return fits
+
+
+def write_report(points: list[Point], out: str, levels=(0.35, 0.45)) -> tuple[list[str], str]:
+    """OUT/table.md, fits.json, scaling.png (rewritten: derived from the points);
+    -> (the table's lines, what was written)."""
+    import json
+    import os
+
+    from s2d_jax.bench.report import PLOT_EXTRA
+    from s2d_jax.io.atomic import write_atomic
+    lines = table_lines(points, tuple(levels))
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "table.md"), "\n".join(lines) + "\n")
+    write_atomic(os.path.join(out, "fits.json"),
+                 json.dumps(fits_record(points, levels), indent=1) + "\n")
+    if plot(points, os.path.join(out, "scaling.png")):
+        return lines, f"wrote {out}/table.md, fits.json, scaling.png"
+    return lines, (f"wrote {out}/table.md, fits.json; scaling.png skipped: matplotlib is not "
+                   f"installed ({PLOT_EXTRA})")

@@ -154,3 +154,17 @@ def _complete(out_dir: str) -> dict:
             and all(_verified(out_dir, str(k), done.get(str(k))) for k in range(shards))):
         raise S2DError(f"{out_dir} is not a complete stage; rerun the stage to finish it")
     return manifest
+
+
+def prefix_rows(out_dir: str):
+    """Yield the rows of a stage's first shards, in order, up to its first shard not yet
+    recorded (or not verified): what a stage still running has finished, read while it
+    writes (its manifest is replaced atomically)."""
+    path = os.path.join(out_dir, MANIFEST)
+    manifest = read_json(path, "stage manifest") if os.path.exists(path) else {}
+    done = manifest.get("done") if isinstance(manifest, dict) else None
+    k = 0
+    while isinstance(done, dict) and _verified(out_dir, str(k), done.get(str(k))):
+        with open(os.path.join(out_dir, shard_name(k)), encoding="utf-8") as f:
+            yield from (json.loads(line) for line in f if line.strip())
+        k += 1
