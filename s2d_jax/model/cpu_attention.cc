@@ -91,7 +91,9 @@ struct Shapes {
   int64_t B, T, K, G, H, S;
 };
 
-// One (batch row, kv head): all T * G query rows against the slots each may see.
+// One (batch row, kv head) and a range of its T * G query rows, against the slots each
+// row may see. Rows run one after another, each with its query and sums in registers; the
+// keys/values of the (b, kv) pair are read from L2 again for every row (once from memory).
 struct Task {
   const Shapes* sh;
   const float* q;        // [B, T, K, G, H]
@@ -104,81 +106,84 @@ struct Task {
   float scale;
   float* out;            // [B, T, K, G, H]
 
-  // slot s of (b, kv) as float32 into buf (the call's own value where patched)
-  const float* slot(const void* cache, const float* fresh, int64_t b, int64_t kv, int64_t s,
-                    float* buf) const {
+  // float32 rows of slots [0, n) of (b, kv): the cache's, or the call's own where patched;
+  // bfloat16 caches converted into `buf`.
+  void slots(const void* cache, const float* fresh, int64_t b, int64_t kv, int64_t n,
+             std::vector<const float*>& ptr, std::vector<float>& buf) const {
     const Shapes& d = *sh;
-    if (fresh) {
-      for (int64_t t = 0; t < d.T; ++t)
-        if (pos[b * d.T + t] == s) return fresh + ((b * d.T + t) * d.K + kv) * d.H;
+    int64_t at = (b * d.K + kv) * d.S * d.H;
+    if (bf16) {
+      buf.resize(n * d.H);
+      const uint16_t* p = static_cast<const uint16_t*>(cache) + at;
+      for (int64_t i = 0; i < n * d.H; ++i) buf[i] = bf16_to_f32(p[i]);
     }
-    int64_t at = ((b * d.K + kv) * d.S + s) * d.H;
-    if (!bf16) return static_cast<const float*>(cache) + at;
-    const uint16_t* p = static_cast<const uint16_t*>(cache) + at;
-    for (int64_t i = 0; i < d.H; ++i) buf[i] = bf16_to_f32(p[i]);
-    return buf;
+    for (int64_t s = 0; s < n; ++s)
+      ptr[s] = bf16 ? buf.data() + s * d.H : static_cast<const float*>(cache) + at + s * d.H;
+    if (fresh) {
+      for (int64_t t = 0; t < d.T; ++t) {
+        int64_t p = pos[b * d.T + t];
+        if (p >= 0 && p < n) ptr[p] = fresh + ((b * d.T + t) * d.K + kv) * d.H;
+      }
+    }
   }
 
-  void run(int64_t b, int64_t kv) const {
+  void run(int64_t b, int64_t kv, int64_t r0, int64_t r1) const {
     const Shapes& d = *sh;
-    const int64_t rows = d.T * d.G, H = d.H, H16 = H / 16 * 16;
-    std::vector<int64_t> n(rows);  // slots row r sees: [0, n[r])
+    const int64_t H = d.H, H16 = H / 16 * 16;
     int64_t n_max = 0;
-    for (int64_t t = 0; t < d.T; ++t) {
-      int64_t p = pos[b * d.T + t];
-      int64_t seen = std::min<int64_t>(std::max<int64_t>(p, 0), d.S - 1) + 1;
-      for (int64_t g = 0; g < d.G; ++g) n[t * d.G + g] = seen;
-      n_max = std::max(n_max, seen);
-    }
-    auto qrow = [&](int64_t r) { return q + (((b * d.T + r / d.G) * d.K + kv) * d.G + r % d.G) * H; };
-    std::vector<float> w(rows * n_max), buf(H), acc(rows * H, 0.f);
-    for (int64_t s = 0; s < n_max; ++s) {  // scores: each key read once
-      const float* key = slot(kc, k_new, b, kv, s, buf.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        if (s >= n[r]) continue;
-        const float* qr = qrow(r);
+    for (int64_t r = r0; r < r1; ++r) n_max = std::max(n_max, seen(b, r / d.G));
+    std::vector<const float*> keys(n_max), vals(n_max);
+    std::vector<float> kbuf, vbuf, w(n_max);
+    slots(kc, k_new, b, kv, n_max, keys, kbuf);
+    slots(vc, v_new, b, kv, n_max, vals, vbuf);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = seen(b, r / d.G), at = (((b * d.T + r / d.G) * d.K + kv) * d.G + r % d.G) * H;
+      const float* qr = q + at;
+      for (int64_t s = 0; s < n; ++s) {  // scores
+        const float* key = keys[s];
         v16 a = {};
         for (int64_t i = 0; i < H16; i += 16) a += load16(qr + i) * load16(key + i);
         float dot = lane_sum(a);
         for (int64_t i = H16; i < H; ++i) dot += qr[i] * key[i];
-        w[r * n_max + s] = dot * scale;
+        w[s] = dot * scale;
       }
-    }
-    std::vector<float> norm(rows);
-    for (int64_t r = 0; r < rows; ++r) {  // softmax weights, unnormalized
-      float* wr = w.data() + r * n_max;
-      float m = wr[0];
-      for (int64_t s = 1; s < n[r]; ++s) m = std::max(m, wr[s]);
+      float m = w[0];
+      for (int64_t s = 1; s < n; ++s) m = std::max(m, w[s]);
       v16 sum16 = {};
       int64_t s = 0;
-      for (; s + 16 <= n[r]; s += 16) {
-        v16 e = exp16(load16(wr + s) - splat(m));
-        store16(wr + s, e);
+      for (; s + 16 <= n; s += 16) {  // softmax weights, unnormalized
+        v16 e = exp16(load16(w.data() + s) - splat(m));
+        store16(w.data() + s, e);
         sum16 += e;
       }
-      float sum = lane_sum(sum16);
-      for (; s < n[r]; ++s) {  // the tail through a padded vector, same exp
+      float norm = lane_sum(sum16);
+      for (; s < n; ++s) {  // the tail through a padded vector, the same exp
         alignas(64) float t16[16] = {};
-        t16[0] = wr[s] - m;
-        wr[s] = exp16(load16(t16))[0];
-        sum += wr[s];
+        t16[0] = w[s] - m;
+        w[s] = exp16(load16(t16))[0];
+        norm += w[s];
       }
-      norm[r] = sum;  // >= 1: the max's own weight
-    }
-    for (int64_t s = 0; s < n_max; ++s) {  // weighted values: each value read once
-      const float* val = slot(vc, v_new, b, kv, s, buf.data());
-      for (int64_t r = 0; r < rows; ++r) {
-        if (s >= n[r]) continue;
-        float p = w[r * n_max + s];
-        float* ar = acc.data() + r * H;
-        for (int64_t i = 0; i < H16; i += 16) store16(ar + i, load16(ar + i) + splat(p) * load16(val + i));
-        for (int64_t i = H16; i < H; ++i) ar[i] += p * val[i];
+      float* o = out + at;  // weighted values, 64 columns at a time in registers
+      for (int64_t h = 0; h < H16; h += 64) {
+        const int64_t width = std::min<int64_t>(64, H16 - h);
+        v16 acc[4] = {};
+        for (int64_t s = 0; s < n; ++s) {
+          v16 p = splat(w[s]);
+          for (int64_t j = 0; j < width / 16; ++j) acc[j] += p * load16(vals[s] + h + 16 * j);
+        }
+        for (int64_t j = 0; j < width / 16; ++j) store16(o + h + 16 * j, acc[j] / splat(norm));
+      }
+      for (int64_t i = H16; i < H; ++i) {
+        float acc = 0.f;
+        for (int64_t s = 0; s < n; ++s) acc += w[s] * vals[s][i];
+        o[i] = acc / norm;
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* o = out + (((b * d.T + r / d.G) * d.K + kv) * d.G + r % d.G) * H;
-      for (int64_t i = 0; i < H; ++i) o[i] = acc[r * H + i] / norm[r];
-    }
+  }
+
+  int64_t seen(int64_t b, int64_t t) const {  // slots [0, n) query t of row b may see
+    int64_t p = pos[b * sh->T + t];
+    return std::min<int64_t>(std::max<int64_t>(p, 0), sh->S - 1) + 1;
   }
 };
 
@@ -190,14 +195,21 @@ inline void cpu_relax() {
 #endif
 }
 
+// Tasks: (batch row, kv head, one of `groups` ranges of its query rows), so that two
+// threads have work even for one kv head; a range's rows are computed as they would be
+// alone.
 struct Work {
   Task task;
-  int64_t tasks;
+  int64_t groups, tasks;
   std::atomic<int64_t> next{0}, done{0};
 
   void run() {
-    for (int64_t i; (i = next.fetch_add(1)) < tasks; done.fetch_add(1))
-      task.run(i / task.sh->K, i % task.sh->K);
+    const Shapes& d = *task.sh;
+    const int64_t rows = d.T * d.G, per = (rows + groups - 1) / groups;
+    for (int64_t i; (i = next.fetch_add(1)) < tasks; done.fetch_add(1)) {
+      int64_t g = i % groups, bk = i / groups;
+      task.run(bk / d.K, bk % d.K, g * per, std::min(rows, (g + 1) * per));
+    }
   }
 };
 
@@ -231,8 +243,11 @@ ffi::Error DecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   t.v_new = patch ? v_new.typed_data() : nullptr;
   t.scale = 1.0f / std::sqrt(float(shapes->H));
   t.out = out->typed_data();
-  work->tasks = shapes->B * shapes->K;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // about two tasks a thread (an odd count of kv heads split 2:1 over 2 threads otherwise)
+  int64_t pairs = shapes->B * shapes->K;
+  work->groups = std::min<int64_t>(shapes->T * shapes->G, (2 * threads + pairs - 1) / pairs);
+  work->tasks = shapes->B * shapes->K * work->groups;
   for (int64_t i = 1; i < std::min(threads, work->tasks); ++i)
     pool.Schedule([work, shapes] { work->run(); });
   work->run();
