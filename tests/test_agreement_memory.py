@@ -101,3 +101,22 @@ def test_an_exit_pass_holds_no_vocabulary_row_per_prompt_position(demo):
     saved = (every_position.memory_analysis().temp_size_in_bytes
              - bounded.memory_analysis().temp_size_in_bytes)
     assert saved >= T * V * 4
+
+
+def test_cached_answers_are_generated_once_per_target_prompts_and_length(demo, tmp_path,
+                                                                         monkeypatch):
+    cfg, params, _, prompts, eos = demo
+    path, calls = str(tmp_path / "answers.json"), []
+    real = agreement.target_answers
+
+    def counted(*a, **k):
+        calls.append(len(a[2]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(agreement, "target_answers", counted)
+    first = agreement.cached_target_answers(path, TARGET, cfg, params, prompts, 8, eos)
+    again = agreement.cached_target_answers(path, TARGET, cfg, params, prompts, 8, eos)
+    assert first == again == real(cfg, params, prompts, 8, eos) and calls == [4]
+    agreement.cached_target_answers(path, TARGET, cfg, params, prompts[:3], 8, eos)
+    agreement.cached_target_answers(path, TARGET, cfg, params, prompts[:3], 6, eos)
+    assert calls == [4, 3, 3]  # other prompts, another length: generated again

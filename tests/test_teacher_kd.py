@@ -71,6 +71,33 @@ def test_states_are_the_targets_final_normed_states(target):
         TeacherStates(str(d))
 
 
+def test_a_grown_slice_copies_the_states_of_the_rows_it_shares(target):
+    """reuse: the leading rows both files hold keep their stored states (bit for bit); the
+    rest, the cut last row of the smaller slice included, are computed as from scratch."""
+    d, _ = target
+    big = write_rows(d / "big.jsonl", [9, 70, 33, 5, 40], seed=4)
+    rows = [json.loads(line) for line in open(big)]
+    small = d / "small.jsonl"
+    small.write_text("".join(json.dumps(r) + "\n" for r in
+                             rows[:2] + [{**rows[2], "input_ids": rows[2]["input_ids"][:20]}]))
+    tgt = str(d / "target")
+    old = TeacherStates(write_teacher_states(tgt, str(small), str(d / "t-small"),
+                                             log=lambda m: None), str(small))
+    logs = []
+    grown = TeacherStates(write_teacher_states(tgt, big, str(d / "t-big"), log=logs.append,
+                                               reuse=(str(small), str(d / "t-small"))), big)
+    fresh = TeacherStates(write_teacher_states(tgt, big, str(d / "t-fresh"),
+                                               log=lambda m: None), big)
+    assert logs[0].startswith("[teacher] 2 of 5 rows (77 states) from")
+    np.testing.assert_array_equal(grown.states[:77], old.states[:77])
+    np.testing.assert_allclose(grown.states[:].astype(np.float32),
+                               fresh.states[:].astype(np.float32), rtol=2e-3, atol=2e-3)
+    # the reused file's rows are checked: states of another version are refused
+    with pytest.raises(S2DError, match="another version"):
+        write_teacher_states(tgt, big, str(d / "t-bad"), reuse=(big, str(d / "t-small")))
+    assert not os.path.exists(d / "t-bad")
+
+
 def fake_teacher(path, rows_path, dim=4):
     """States whose first coordinate is the input token at that position."""
     rows = [json.loads(line)["input_ids"] for line in open(rows_path)]

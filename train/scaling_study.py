@@ -157,8 +157,8 @@ def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
-    def log(msg):
-        print(msg, flush=True)
+    def log(msg):  # timed: a days-long log says how long each stage took
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}", flush=True)
 
     study = Study(engine=args.engine, target=args.target, out=args.out, config=args.config,
                   overrides=tuple(args.overrides), heldout=args.heldout,

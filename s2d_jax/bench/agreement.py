@@ -223,11 +223,34 @@ def first_turns(target: str, questions: str, max_prompts: int, chat_template: st
     return prompts, end_of_turn_id(tok, template)
 
 
+def cached_target_answers(path: str, target: str, cfg, params, prompts, max_new_tokens: int,
+                          eos_id: int, batch_slots: int = BATCH_SLOTS) -> list[list[int]]:
+    """target_answers, kept in `path` (JSON) and read back while the target's files, the
+    prompts and the length are the same: a study scoring many drafts on one held-out set
+    generates the target's answers once."""
+    import json
+    import os
+
+    from s2d_jax.data.engine import target_fingerprint
+    from s2d_jax.io.atomic import write_atomic
+    key = {"target": target_fingerprint(target), "max_new_tokens": max_new_tokens,
+           "eos_id": eos_id, "prompts": [list(map(int, p)) for p in prompts]}
+    if os.path.isfile(path):
+        with open(path) as f:
+            have = json.load(f)
+        if isinstance(have, dict) and {k: have.get(k) for k in key} == key:
+            return have["answers"]
+    answers = target_answers(cfg, params, prompts, max_new_tokens, eos_id, batch_slots)
+    write_atomic(path, json.dumps({**key, "answers": [list(map(int, a)) for a in answers]}))
+    return answers
+
+
 def measure_agreement(target: str, draft_paths, questions: str, max_prompts: int,
                       max_new_tokens: int = 64, chat_template: str = "auto",
-                      batch_slots: int = BATCH_SLOTS) -> dict:
+                      batch_slots: int = BATCH_SLOTS, answers_cache: str | None = None) -> dict:
     """{"questions", "prompts", "drafts": {path: per-exit rows}}: every draft scored on the
-    target's greedy answers to the first turns of `questions`."""
+    target's greedy answers to the first turns of `questions` (kept in `answers_cache`
+    when given: cached_target_answers)."""
     from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.checkpoint import load_draft
@@ -241,7 +264,9 @@ def measure_agreement(target: str, draft_paths, questions: str, max_prompts: int
             raise S2DError(f"draft {path} has vocab_size {d_cfg.vocab_size}, the target "
                            f"{cfg.vocab_size}; use a draft of this target")
         drafts.append(Draft(path, d_cfg, d_params, draft_exits(extra, d_cfg)))
-    answers = target_answers(cfg, params, prompts, max_new_tokens, eos_id, batch_slots)
+    answers = (cached_target_answers(answers_cache, target, cfg, params, prompts,
+                                     max_new_tokens, eos_id, batch_slots) if answers_cache
+               else target_answers(cfg, params, prompts, max_new_tokens, eos_id, batch_slots))
     scored = score_drafts(cfg, params, drafts, prompts, answers, max_new_tokens)
     return {"questions": questions, "prompts": len(prompts),
             "drafts": {d.name: exit_agreement(stats, accept)

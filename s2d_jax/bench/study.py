@@ -9,6 +9,7 @@ Under OUT:
     points/NAME/        ckpt/ (training resumes from it), metrics.jsonl, draft_hf/,
                         result.json (written last: the point is finished)
     head_vocab.json     the draft head's sub-vocabulary, one for the whole study
+    heldout_answers.json  the target's greedy held-out answers, generated once
     points.jsonl        {shape, kind, tokens, exit, agreement, se, point}: one row per exit
     report/             table.md, fits.json, scaling.png
 
@@ -162,6 +163,23 @@ def recipe(study: Study, point: StudyPoint, rows: str, teacher: str | None, head
     return load_train_config(study.config, over)
 
 
+def smaller_slice(study: Study, rows: str) -> tuple[str, str] | None:
+    """(rows, teacher states) of the largest smaller slice of the same kind whose states
+    are written: its rows lead this slice's (study_data.take_budget), so their states
+    are copied instead of computed again."""
+    data = os.path.dirname(os.path.dirname(rows))
+    kind, budget = os.path.basename(os.path.dirname(rows)).rsplit("-", 1)
+    best = None
+    for name in os.listdir(data):
+        k, _, b = name.rpartition("-")
+        teacher = os.path.join(data, name, "teacher")
+        if (k == kind and b.isdigit() and int(b) < int(budget)
+                and os.path.isfile(os.path.join(teacher, "teacher_states.json"))
+                and (best is None or int(b) > best[0])):
+            best = (int(b), os.path.join(data, name, "rows.jsonl"), teacher)
+    return best and best[1:]
+
+
 def train_point(study: Study, point: StudyPoint, rows: str, head: str | None, log) -> str:
     """Train (or resume) one point's draft; -> its exported HF dir."""
     from s2d_jax.data.teacher import write_teacher_states
@@ -170,7 +188,7 @@ def train_point(study: Study, point: StudyPoint, rows: str, head: str | None, lo
     teacher = None
     if base.draft.kd_weight > 0:  # the target's distribution: its states at every row position
         teacher = write_teacher_states(study.target, rows, os.path.join(
-            os.path.dirname(rows), "teacher"), log=log)
+            os.path.dirname(rows), "teacher"), reuse=smaller_slice(study, rows), log=log)
     row_tokens = sum(len(r["input_ids"]) for r in read_jsonl(rows))
     steps = steps_for(row_tokens, base.data.batch_size, base.data.seq_len, study.epochs,
                       study.min_steps, study.max_steps)
@@ -199,7 +217,8 @@ def record(study: Study, point: StudyPoint, exits: list[dict]) -> None:
 
 def measure(study: Study, draft_hf: str) -> list[dict]:
     from s2d_jax.bench.agreement import measure_agreement
-    got = measure_agreement(study.target, [draft_hf], study.heldout, study.heldout_prompts)
+    got = measure_agreement(study.target, [draft_hf], study.heldout, study.heldout_prompts,
+                            answers_cache=os.path.join(study.out, "heldout_answers.json"))
     return got["drafts"][draft_hf]
 
 

@@ -129,10 +129,21 @@ def _up_to_date(out_dir: str, sha: str, log) -> bool:
     return False
 
 
+def same_leading_rows(rows: list[list[int]], other: list[list[int]]) -> int:
+    """How many rows at the start of `rows` equal those of `other`."""
+    n = 0
+    while n < min(len(rows), len(other)) and list(rows[n]) == list(other[n]):
+        n += 1
+    return n
+
+
 def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
-                         batch_tokens: int = 4096, log=print) -> str:
+                         batch_tokens: int = 4096, reuse: tuple[str, str] | None = None,
+                         log=print) -> str:
     """Run the target over every row of `rows_path`, store its final-normed hidden states
-    under `out_dir`. Idempotent: an existing complete dir for the same rows is kept."""
+    under `out_dir`. Idempotent: an existing complete dir for the same rows is kept.
+    reuse = (rows file, its written states dir): the states of the leading rows the two
+    files share are copied, not computed again (a data slice that grows by rows)."""
     from s2d_jax.data.sources import load_token_rows
     from s2d_jax.io.checkpoint import load_model
 
@@ -143,14 +154,23 @@ def write_teacher_states(target_dir: str, rows_path: str, out_dir: str, *,
     rows = [r["input_ids"] for r in load_token_rows(rows_path, cfg.vocab_size)]
     _check_rows(rows, rows_path)
     offsets = row_offsets([len(r) for r in rows])
+    first, old = 0, None
+    if reuse is not None:
+        old = TeacherStates(reuse[1], reuse[0])  # refuses states of another rows version
+        if old.dim == cfg.hidden_size and old.meta.get("target") == target_dir:
+            first = same_leading_rows(rows, [r["input_ids"] for r in
+                                             load_token_rows(reuse[0], cfg.vocab_size)])
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, STATES + ".tmp")
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
                                     shape=(int(offsets[-1]), cfg.hidden_size))
-    done = 0
-    for group, xs in state_batches(states_fn(cfg), params, rows, batch_tokens):
+    if first:
+        out[:offsets[first]] = old.states[:offsets[first]]
+        log(f"[teacher] {first} of {len(rows)} rows ({offsets[first]} states) from {reuse[1]}")
+    done = int(offsets[first])
+    for group, xs in state_batches(states_fn(cfg), params, rows[first:], batch_tokens):
         for j, x in zip(group, xs):
-            out[offsets[j]:offsets[j + 1]] = x
+            out[offsets[first + j]:offsets[first + j + 1]] = x
         done += sum(len(x) for x in xs)
         log(f"[teacher] {done}/{offsets[-1]} states")
     out.flush()
