@@ -5,13 +5,22 @@
 
 No weights are read or allocated: the target's config (a model YAML or an HF dir /
 config.json) only gives the shapes, and the draft is its first `draft.exits[-1]` layers.
-Prints per-device memory from `compiled.memory_analysis()` and the compile time.
+Prints per-device memory from `compiled.memory_analysis()` and the compile time. With
+--throughput DEVICE (h100, h200, a100, tpu-v5e, tpu-v5p) also the step's matmul flops per
+trained token and the tokens a minute DEVICE trains at --mfu (model-flops utilisation,
+assumed: measure it there), and with --cache-tokens N how long one pass over N tokens
+takes (s2d_jax/train/throughput.py):
+
+    python -m train.aot --config configs/train/engine_h100.yaml \
+        --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --throughput h100 --cache-tokens 2.3e6
 """
 
 from __future__ import annotations
 
-from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices, path_arg
-from s2d_jax.errors import cli_main
+from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices, finite_number, \
+    path_arg
+from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.train.throughput import ACCELERATORS
 
 
 def _parse(argv):
@@ -21,8 +30,19 @@ def _parse(argv):
     p.add_argument("--target", default=None, type=path_arg,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
     add_fake_devices_flag(p)
+    p.add_argument("--throughput", choices=sorted(ACCELERATORS), default=None,
+                   help="estimate the tokens a minute this accelerator trains")
+    p.add_argument("--mfu", type=finite_number, default=0.35,
+                   help="model-flops utilisation assumed for --throughput, in (0, 1]")
+    p.add_argument("--cache-tokens", type=finite_number, default=0,
+                   help="with --throughput: the minutes one pass over this many tokens takes")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 < args.mfu <= 1:
+        raise S2DError(f"--mfu must lie in (0, 1], got {args.mfu}")
+    if not (args.cache_tokens >= 0 and args.cache_tokens == int(args.cache_tokens)):
+        raise S2DError(f"--cache-tokens must be a whole number >= 0, got {args.cache_tokens}")
+    return args
 
 
 @cli_main
@@ -30,7 +50,8 @@ def main(argv=None):
     args = _parse(argv)
     fake_cpu_devices(args.fake_devices)  # before anything touches jax.devices()
     from s2d_jax.train.aot import train_step_report
-    for line in train_step_report(args.config, args.target, args.overrides):
+    for line in train_step_report(args.config, args.target, args.overrides, args.throughput,
+                                  args.mfu, int(args.cache_tokens)):
         print(line)
 
 

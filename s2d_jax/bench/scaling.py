@@ -147,8 +147,9 @@ def table_lines(points: list[Point], levels=(0.35, 0.45)) -> list[str]:
 
 
 def plot(points: list[Point], path: str) -> bool:
-    """Agreement against unique tokens (log x), one marker series per (shape, kind, exit)
-    with its error bars and fitted trend; False (nothing written) without matplotlib."""
+    """Agreement against unique tokens (log x), one panel per shape (sharing the y axis),
+    one marker series per (kind, exit) with its error bars and fitted trend (dashed, on to
+    10x the largest point); False (nothing written) without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -156,23 +157,27 @@ def plot(points: list[Point], path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (shape, kind, ex), pts in series(points).items():
-        t = np.array([p.tokens for p in pts], dtype=float)
-        line = ax.errorbar(t, [p.agreement for p in pts], yerr=[p.se for p in pts],
-                           marker="o" if kind == "on_policy" else "s", linestyle="none",
-                           capsize=3, label=f"{shape}, {kind}, exit {ex}")
-        if len(pts) >= 3:
-            f = fit_log_linear(pts)
-            grid = np.geomspace(t.min(), t.max() * 10, 50)
-            ax.plot(grid, [f.at(g) for g in grid], "--", color=line[0].get_color(), lw=1)
-    ax.set_xscale("log")
-    ax.set_xlabel("unique supervised tokens")
-    ax.set_ylabel("held-out greedy agreement")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    shapes = sorted({p.shape for p in points}, key=lambda s: (len(s), s))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for (_, kind, ex), pts in series([p for p in points if p.shape == shape]).items():
+            t = np.array([p.tokens for p in pts], dtype=float)
+            line = ax.errorbar(t, [p.agreement for p in pts], yerr=[p.se for p in pts],
+                               marker="o" if kind == "on_policy" else "s", linestyle="none",
+                               capsize=3, label=f"{kind}, exit {ex}")
+            if len(pts) >= 3:
+                f = fit_log_linear(pts)
+                grid = np.geomspace(t.min(), t.max() * 10, 50)
+                ax.plot(grid, [f.at(g) for g in grid], "--", color=line[0].get_color(), lw=1)
+        ax.set_xscale("log")
+        ax.set_title(f"{shape}")
+        ax.set_xlabel("unique supervised tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("held-out greedy agreement")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 

@@ -11,10 +11,13 @@ GIB = 2**30
 
 
 def train_step_report(config_path: str, target: str | None = None,
-                      overrides: list[str] = ()) -> list[str]:
+                      overrides: list[str] = (), throughput: str | None = None,
+                      mfu: float = 0.35, cache_tokens: int = 0) -> list[str]:
     """Load the training YAML (with key=value `overrides`), compile its step for the draft
     of `target` (a model YAML / HF dir / config.json; default model.path) on jax.devices()
-    and return the report: devices, draft, batch, per-device memory, compile time."""
+    and return the report: devices, draft, batch, per-device memory, compile time; with
+    `throughput` (an accelerator of throughput.ACCELERATORS) the estimate of its tokens a
+    minute at utilisation `mfu`."""
     import jax
 
     from s2d_jax.config import load_model_config
@@ -39,8 +42,25 @@ def train_step_report(config_path: str, target: str | None = None,
              f"batch {tc.data.batch_size} x seq {tc.data.seq_len}, grad_accum "
              f"{tc.optimizer.grad_accum_steps}, remat {tc.remat}"]
     compiled, t_lower, t_compile = compile_step_aot(tc, cfg, exits, devices)
-    return lines + memory_lines(compiled.memory_analysis()) + [
+    lines += memory_lines(compiled.memory_analysis()) + [
         f"lower {t_lower:.1f} s, compile {t_compile:.1f} s"]
+    if throughput:
+        lines += estimate_lines(tc, cfg, exits, throughput, mfu, cache_tokens)
+    return lines
+
+
+def estimate_lines(tc, cfg, exits, device: str, mfu: float, cache_tokens: int) -> list[str]:
+    """throughput.throughput_lines for this config: its head's rows (draft.head_vocab), its
+    KD term (draft.kd_weight > 0) and its frozen tied head."""
+    from s2d_jax.model.sorted_draft import read_head_vocab
+    from s2d_jax.train.throughput import throughput_lines, train_flops_per_token
+    rows = len(read_head_vocab(tc.draft.head_vocab, cfg.vocab_size)) if tc.draft.head_vocab \
+        else None
+    frozen = cfg.tie_word_embeddings and "embed" in tc.optimizer.frozen
+    flops = train_flops_per_token(cfg, exits, tc.data.seq_len, rows, tc.draft.kd_weight > 0,
+                                  frozen)
+    return throughput_lines(flops, tc.data.batch_size * tc.data.seq_len, device, mfu,
+                            cache_tokens)
 
 
 def memory_lines(m) -> list[str]:
