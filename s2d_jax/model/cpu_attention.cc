@@ -23,33 +23,22 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+using s2d_cpu::cpu_relax;
+using s2d_cpu::lane_sum;
+using s2d_cpu::load16;
+using s2d_cpu::store16;
+using s2d_cpu::v16;
+
 typedef int32_t i16x16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline v16 splat(float x) { return v16{} + x; }
-
-inline float lane_sum(v16 a) {  // a fixed tree (halves added)
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 // exp(x) for x <= 0 (scores minus their max), 16 lanes: 2^n * p(r), r = x - n ln2 in
 // [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 2e-7); below -87
@@ -186,14 +175,6 @@ struct Task {
     return std::min<int64_t>(std::max<int64_t>(p, 0), sh->S - 1) + 1;
   }
 };
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-#endif
-}
 
 // Tasks: (batch row, kv head, one of `groups` ranges of its query rows), so that two
 // threads have work even for one kv head; a range's rows are computed as they would be

@@ -18,13 +18,21 @@
 #include <cstring>
 #include <memory>
 
+#include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+using s2d_cpu::cpu_relax;
+using s2d_cpu::lane_sum;
+using s2d_cpu::load16;  // float32; the bfloat16 and int8 loads below join the overloads
+using s2d_cpu::store16;
+using s2d_cpu::v16;
+using s2d_cpu::v4;
+using s2d_cpu::v8;
+
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
@@ -32,12 +40,6 @@ constexpr int kCols = 64;      // column granularity of the threads' chunks ("kn
 constexpr int kMaxRows = 8;    // rows one pass over the weights serves
 constexpr int kPrefetch = 32;  // weight rows ahead to prefetch ("kn" walks rows with stride N)
 constexpr int kNkPrefetch = 16;  // weight rows ahead to prefetch ("nk")
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 inline v16 load16(const uint16_t* p) {  // bfloat16 -> float32: the high half of the bits
   u16x16 h;
@@ -64,15 +66,6 @@ inline float load1(const uint16_t* p) {
   return f;
 }
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
-inline void cpu_relax() {  // while waiting for the chunks another thread claimed
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-#endif
-}
 
 // Columns a register tile holds per row: 64 up to 4 rows (16 accumulators), 32 beyond
 // (8 rows x 2), so the accumulators stay in registers. Wider tiles read longer runs of
@@ -111,17 +104,6 @@ void kn_tail(const float* x, const W* w, float* y, int R, int64_t K, int64_t N, 
     for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * load1(w + k * N + c);
     y[r * N + c] = acc;
   }
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-// The 16 lanes summed as a fixed tree (halves added), a few vector adds.
-inline float lane_sum(v16 a) {
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 // Rows [0, R), output columns [n, n + NR): y[r, n] = dot(x[r], W[n]), W [N, K] row-major.

@@ -38,6 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # One library for the CPU decode path's kernels: the matmul here and the cached attention
 # (cpu_attention.cc, called from model/attention.py), built and loaded together.
 SOURCES = tuple(os.path.join(_HERE, f) for f in ("small_matmul.cc", "cpu_attention.cc"))
+HEADERS = (os.path.join(_HERE, "cpu_vector.h"),)  # included by both: part of the cache key
 # Rows served by the kernel (in passes of 8 over the weights); more rows (a prefill) go to
 # XLA's general matmul, which is compute-efficient there.
 MAX_ROWS = 32
@@ -80,7 +81,7 @@ def _cpu_key() -> str:
 
 def library_path() -> str:
     src = b""
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             src += f.read()
     key = hashlib.sha256(src + jax.ffi.include_dir().encode() + jax.lib.__version__.encode()
