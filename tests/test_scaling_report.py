@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from infer import scaling_report
-from s2d_jax.bench.scaling import Point, fit_log_linear
+from s2d_jax.bench.scaling import Point, fit_log_linear, point_covariance
 
 
 def _points(a=0.05, b=0.05, se=0.01, noise=None, kind="on_policy", exit=4):
@@ -35,6 +35,39 @@ def test_scatter_beyond_the_errors_widens_the_fit_not_narrows_it():
 def test_a_trend_that_does_not_rise_needs_infinitely_many_tokens():
     f = fit_log_linear(_points(b=0.0))
     assert f.tokens_for(0.35)[0] == math.inf
+
+
+def _paired_points(b=0.05, seed=0, prompts=40):
+    """Drafts scored on the same prompts: a prompt's difficulty is shared by every point."""
+    rng = np.random.default_rng(seed)
+    n = rng.integers(20, 90, prompts)
+    difficulty = rng.uniform(-0.15, 0.15, prompts)
+    pts = []
+    for t in (10_000, 20_000, 45_000, 90_000):
+        p = np.clip(-0.03 + b * math.log10(t) + difficulty, 0.0, 1.0)
+        hits = rng.binomial(n, p)
+        agreement = hits.sum() / n.sum()
+        se = math.sqrt(((hits - agreement * n) ** 2).sum()) / n.sum()  # as bench/agreement.py
+        pts.append(Point("4 layers", "on_policy", t, 4, float(agreement), se,
+                         tuple(int(h) for h in hits), tuple(int(x) for x in n)))
+    return pts
+
+
+def test_points_on_shared_prompts_fit_a_tighter_trend_than_independent_errors_say():
+    pts = _paired_points()
+    np.testing.assert_allclose(np.diag(point_covariance(pts)), [p.se ** 2 for p in pts],
+                               rtol=1e-9)
+    paired = fit_log_linear(pts)
+    alone = fit_log_linear([Point(*[getattr(p, k) for k in ("shape", "kind", "tokens", "exit",
+                                                            "agreement", "se")]) for p in pts])
+    assert paired.paired == 40 and alone.paired == 0
+    assert math.sqrt(paired.cov[1, 1]) < 0.5 * math.sqrt(alone.cov[1, 1])
+    assert abs(paired.b - 0.05) < 3 * math.sqrt(paired.cov[1, 1])
+    # other answers (another held-out set) for one point: no shared covariance
+    mixed = pts[:3] + [Point(*[getattr(pts[3], k) for k in ("shape", "kind", "tokens", "exit",
+                                                           "agreement", "se")],
+                             pts[3].prompt_hits[:-1], pts[3].prompt_tokens[:-1])]
+    assert point_covariance(mixed) is None
 
 
 def _write(path, points):
@@ -66,6 +99,14 @@ def test_the_report_writes_table_fits_and_plot(tmp_path, capsys):
       "se": 0.01}, "tokens must be a positive integer"),
     ({"shape": "4", "kind": "on_policy", "tokens": 1000, "agreement": 0.3, "se": 0.01},
      "needs the fields"),
+    ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,
+      "se": 0.01, "prompt_hits": [3, 4], "prompt_tokens": [10, 10]}, "their ratio the agreement"),
+    ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,
+      "se": 0.01, "prompt_hits": [3, 3], "prompt_tokens": [10]}, "of one length"),
+    ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,
+      "se": 0.01, "prompt_hits": [-3, 9], "prompt_tokens": [10, 10]}, "whole numbers >= 0"),
+    ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,
+      "se": 0.01, "prompt_hits": "3,3", "prompt_tokens": [10, 10]}, "whole numbers >= 0"),
 ])
 def test_bad_points_are_refused_with_one_line(tmp_path, capsys, row, message):
     (tmp_path / "p.jsonl").write_text(json.dumps(row).replace("NaN", "NaN") + "\n")

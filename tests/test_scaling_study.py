@@ -65,6 +65,10 @@ def test_two_budgets_and_both_kinds_write_points_and_the_report(study):
         ("on_policy", 10), ("on_policy", 20), ("teacher_forced", 10), ("teacher_forced", 20)]
     assert [r["exit"] for r in got] == [1, 2] * 4 and all(r["shape"] == "2 layers" for r in got)
     assert all(0 <= r["agreement"] <= 1 and r["se"] > 0 for r in got)
+    for r in got:  # per-prompt hits on the same answers: the report's paired fits
+        assert len(r["prompt_hits"]) == len(r["prompt_tokens"]) == 2
+        assert sum(r["prompt_hits"]) / sum(r["prompt_tokens"]) == pytest.approx(r["agreement"])
+    assert len({tuple(r["prompt_tokens"]) for r in got}) == 1
     assert {"table.md", "fits.json", "scaling.png"} <= set(os.listdir(study / "report"))
     for kind, budget in (("on_policy", 10), ("teacher_forced", 20)):  # exactly the budget
         data = rows(study / "data" / f"{kind}-{budget}" / "rows.jsonl")
@@ -92,6 +96,27 @@ def test_a_rerun_skips_finished_points_and_adds_no_rows(tmp, engine, study, caps
     out = capsys.readouterr().out
     assert out.count("finished") >= 4 and "4 of 4 points finished" in out
     assert (study / "points.jsonl").read_bytes() == before
+
+
+@pytest.mark.slow  # needs the study fixture
+def test_a_point_without_per_prompt_hits_is_measured_again_not_retrained(  # noqa: F811
+        tmp, engine, study, capsys, monkeypatch):
+    from s2d_jax.train import loop
+    monkeypatch.setattr(loop, "train", lambda *a, **k: pytest.fail("retrained"))
+    result = study / "points" / "2L-on_policy-10" / "result.json"
+    want = json.loads(result.read_text())
+    old = {**want, "exits": [{k: v for k, v in e.items() if not k.startswith("prompt_")}
+                             for e in want["exits"]]}
+    result.write_text(json.dumps(old))
+    points = rows(study / "points.jsonl")
+    (study / "points.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in r.items() if not k.startswith("prompt_")}
+                   if r["point"] == "2L-on_policy-10" else r) + "\n" for r in points))
+    capsys.readouterr()
+    scaling_study.main(argv(tmp, engine, study))
+    assert "2L-on_policy-10: measured again for its per-prompt hits" in capsys.readouterr().out
+    assert json.loads(result.read_text())["exits"] == want["exits"]
+    assert sorted(rows(study / "points.jsonl"), key=json.dumps) == sorted(points, key=json.dumps)
 
 
 @pytest.mark.slow  # needs the study fixture

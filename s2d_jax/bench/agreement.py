@@ -190,7 +190,10 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
              "accept_t1": None if accept_t1 is None else float(accept_t1[j]),
              "confident": float((conf[:, j] >= 0.5).mean()),
              "agreement_when_confident": (float(correct[conf[:, j] >= 0.5, j].mean())
-                                          if (conf[:, j] >= 0.5).any() else None)}
+                                          if (conf[:, j] >= 0.5).any() else None),
+             # per prompt: drafts scored on the same answers can be compared paired
+             "prompt_hits": [int(c[:, j].sum()) for c in stats.correct],
+             "prompt_tokens": [int(c.shape[0]) for c in stats.correct]}
             for j, e in enumerate(stats.exits)]
     for j in range(1, len(rows)):
         rows[j]["gain_over_previous"], rows[j]["gain_se"] = paired_gain(stats, j)

@@ -5,9 +5,13 @@ A point is one trained draft measured on the held-out set: (shape, supervision k
 unique tokens, exit, agreement, its standard error). Over the range this study can reach
 on a CPU (0.1M-10M tokens) agreement grows about linearly in log tokens, so the trend is
     agreement = a + b * log10(tokens)
-fitted by weighted least squares (weights 1 / s.e.^2, the points' own errors scaled by
-the fit's reduced chi-square when it exceeds 1, so a trend that does not follow the
-points gets wider errors, not narrower). The tokens a level L needs are
+fitted by generalised least squares: the points' errors are their own s.e., and where
+every point of a series was scored on the same held-out answers (per-prompt hits in the
+points file, as the study writes them) also their covariance, clustered by prompt as each
+s.e. is (a hard prompt is hard for every draft: points on shared prompts err together, and
+the trend through them is better known than independent errors would say). The fit's
+covariance is scaled by its reduced chi-square when that exceeds 1, so a trend that does
+not follow the points gets wider errors, not narrower. The tokens a level L needs are
 10^((L - a) / b); their error comes from the fit's covariance (delta method on
 log10 tokens). A log-linear trend cannot saturate, so beyond the measured range it is an
 estimate of where to look, not a promise: the report says how far it extrapolates.
@@ -25,6 +29,7 @@ from s2d_jax.readers import parse_json, read_text
 
 KINDS = ("on_policy", "teacher_forced")
 FIELDS = ("shape", "kind", "tokens", "exit", "agreement", "se")
+PAIRED = ("prompt_hits", "prompt_tokens")  # optional: per held-out prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Point:
     exit: int
     agreement: float
     se: float       # standard error of `agreement` (clustered by prompt)
+    prompt_hits: tuple = ()     # per held-out prompt: answer tokens the exit predicted
+    prompt_tokens: tuple = ()   # per held-out prompt: answer tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +56,7 @@ class Fit:
     points: int
     chi2_dof: float  # reduced chi-square of the weighted fit (1 = scatter as the s.e. say)
     token_range: tuple[int, int]
+    paired: int = 0  # prompts the points' covariance was taken over (0: independent errors)
 
     def at(self, tokens: float) -> float:
         return self.a + self.b * math.log10(tokens)
@@ -82,25 +90,52 @@ def check_point(p: Point, where: str) -> Point:
     if p.se <= 0:
         raise S2DError(f"{where}: se must be > 0 (a point without an error cannot be "
                        "weighted); measure it on more held-out tokens")
+    if p.prompt_hits or p.prompt_tokens:
+        hits, tokens = p.prompt_hits, p.prompt_tokens
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in (*hits, *tokens)) if isinstance(hits, tuple) and \
+            isinstance(tokens, tuple) else False
+        if not (ints and len(hits) == len(tokens) > 0 and all(h <= t for h, t in zip(hits, tokens))
+                and abs(sum(hits) / max(sum(tokens), 1) - p.agreement) < 1e-6):
+            raise S2DError(f"{where}: prompt_hits and prompt_tokens must be lists of whole "
+                           f"numbers >= 0 of one length, hits <= tokens, their ratio the "
+                           f"agreement; rewrite the point (the study writes them)")
     return p
 
 
+def point_covariance(points: list[Point]) -> np.ndarray | None:
+    """The covariance of the points' agreements, clustered by prompt (the diagonal is each
+    point's s.e.^2 as bench/agreement.py computes it), when every point holds per-prompt
+    hits on the same answers; None otherwise."""
+    if not all(p.prompt_hits for p in points) or len({p.prompt_tokens for p in points}) != 1:
+        return None
+    n = np.asarray(points[0].prompt_tokens, np.float64)
+    hits = np.asarray([p.prompt_hits for p in points], np.float64)  # [points, prompts]
+    resid = hits - (hits.sum(1) / n.sum())[:, None] * n[None, :]
+    return resid @ resid.T / n.sum() ** 2
+
+
 def fit_log_linear(points: list[Point]) -> Fit:
-    """Weighted least squares of agreement on log10(tokens) over points of one series
-    (one shape, kind and exit). Needs >= 3 points at >= 2 token counts."""
+    """Generalised least squares of agreement on log10(tokens) over points of one series
+    (one shape, kind and exit): errors from point_covariance where the points share their
+    prompts, else independent (their s.e.). Needs >= 3 points at >= 2 token counts."""
     if len(points) < 3 or len({p.tokens for p in points}) < 2:
         raise S2DError(f"a trend needs >= 3 points at >= 2 token counts, got {len(points)}")
     x = np.log10([p.tokens for p in points])
     y = np.array([p.agreement for p in points])
-    w = 1.0 / np.array([p.se for p in points]) ** 2
+    paired = point_covariance(points)
+    C = np.diag(np.array([p.se for p in points]) ** 2) if paired is None else paired
+    W = np.linalg.pinv(C)  # pinv: two identical drafts give a singular covariance
     X = np.stack([np.ones_like(x), x], axis=1)
-    cov = np.linalg.inv(X.T @ (w[:, None] * X))
-    a, b = cov @ X.T @ (w * y)
+    cov = np.linalg.inv(X.T @ W @ X)
+    a, b = cov @ X.T @ W @ y
     dof = len(points) - 2
-    chi2_dof = float(np.sum(w * (y - a - b * x) ** 2) / dof) if dof else 1.0
+    r = y - a - b * x
+    chi2_dof = float(r @ W @ r / dof) if dof else 1.0
     cov = cov * max(1.0, chi2_dof)
     tokens = [p.tokens for p in points]
-    return Fit(float(a), float(b), cov, len(points), chi2_dof, (min(tokens), max(tokens)))
+    return Fit(float(a), float(b), cov, len(points), chi2_dof, (min(tokens), max(tokens)),
+               0 if paired is None else len(points[0].prompt_hits))
 
 
 def series(points: list[Point]) -> dict[tuple[str, str, int], list[Point]]:
@@ -135,8 +170,10 @@ def table_lines(points: list[Point], levels=(0.35, 0.45)) -> list[str]:
             reach = n / f.token_range[1]
             cells.append(f"{_tokens(n)} ({_tokens(lo)}-{_tokens(hi)}; "
                          f"{reach:.3g}x the largest point)")
+        errors = f"paired over {f.paired} prompts" if f.paired else "independent errors"
         fit_rows.append(f"| {shape} | {kind} | {ex} | {f.a:.3f} + {f.b:.3f} log10 N "
-                        f"(s.e. {math.sqrt(f.cov[1, 1]):.3f}; chi2/dof {f.chi2_dof:.2f}) | "
+                        f"(s.e. {math.sqrt(f.cov[1, 1]):.3f}; chi2/dof {f.chi2_dof:.2f}; "
+                        f"{errors}) | "
                         + " | ".join(cells) + " |")
     if fit_rows:
         lines += ["", "| shape | supervision | exit | fit | "
@@ -194,7 +231,10 @@ def read_points(path: str):
         if isinstance(row["tokens"], bool) or isinstance(row["exit"], bool) \
                 or not isinstance(row["exit"], int):
             raise S2DError(f"points file {path}:{n}: tokens and exit must be integers")
-        points.append(check_point(Point(**{k: row[k] for k in FIELDS}), f"points file {path}:{n}"))
+        paired = {k: tuple(row[k]) if isinstance(row.get(k), list) else row.get(k)
+                  for k in PAIRED if k in row}
+        points.append(check_point(Point(**{k: row[k] for k in FIELDS}, **paired),
+                                  f"points file {path}:{n}"))
     if not points:
         raise S2DError(f"points file {path} has no points; run the study first")
     return points
@@ -208,6 +248,7 @@ def fits_record(points: list[Point], levels) -> dict:
             f = fit_log_linear(pts)
             fits[f"{shape} | {kind} | exit {ex}"] = {
                 "a": f.a, "b": f.b, "cov": f.cov.tolist(), "chi2_dof": f.chi2_dof,
+                "paired_prompts": f.paired,
                 "token_range": list(f.token_range),
                 "tokens_for": {str(v): list(f.tokens_for(v)) for v in levels}}
     return fits

@@ -10,7 +10,8 @@ Under OUT:
                         result.json (written last: the point is finished)
     head_vocab.json     the draft head's sub-vocabulary, one for the whole study
     heldout_answers.json  the target's greedy held-out answers, generated once
-    points.jsonl        {shape, kind, tokens, exit, agreement, se, point}: one row per exit
+    points.jsonl        {shape, kind, tokens, exit, agreement, se, point, prompt_hits,
+                        prompt_tokens}: one row per exit (per-prompt hits: paired fits)
     report/             table.md, fits.json, scaling.png
 
 Rows are cut to the recipe's data.seq_len + 1 tokens before counting (the trainer keeps no
@@ -204,15 +205,18 @@ def record(study: Study, point: StudyPoint, exits: list[dict]) -> None:
     kill between the two adds them; rows already there are not added again)."""
     rows = [{"shape": f"{point.shape} layers", "kind": point.kind, "tokens": point.budget,
              "exit": r["exit"], "agreement": r["agreement"], "se": r["agreement_se"],
-             "point": point.name} for r in exits]
+             "point": point.name, "prompt_hits": r.get("prompt_hits", []),
+             "prompt_tokens": r.get("prompt_tokens", [])} for r in exits]
+    if not rows[0]["prompt_hits"]:  # measured before per-prompt hits were kept
+        rows = [{k: v for k, v in r.items() if not k.startswith("prompt_")} for r in rows]
     result = os.path.join(study.out, "points", point.name, "result.json")
     if not os.path.isfile(result):
         write_atomic(result, json.dumps({"point": point.name, "heldout": study.heldout,
                                          "exits": exits}, indent=1))
     path = os.path.join(study.out, "points.jsonl")
     have = read_jsonl(path)
-    if not any(r.get("point") == point.name for r in have):
-        _write_jsonl(path, have + rows)
+    if [r for r in have if r.get("point") == point.name] != rows:  # new, or re-measured
+        _write_jsonl(path, [r for r in have if r.get("point") != point.name] + rows)
 
 
 def measure(study: Study, draft_hf: str) -> list[dict]:
@@ -228,7 +232,15 @@ def run_point(study: Study, sources: Sources, point: StudyPoint, head: str | Non
     from s2d_jax.readers import read_json
     result = os.path.join(study.out, "points", point.name, "result.json")
     if os.path.isfile(result):
-        record(study, point, read_json(result, "study result")["exits"])
+        exits = read_json(result, "study result")["exits"]
+        draft_hf = os.path.join(study.out, "points", point.name, "draft_hf")
+        if "prompt_hits" not in exits[0] and os.path.isdir(draft_hf):
+            # measured before per-prompt hits were kept: score the trained draft again
+            exits = measure(study, draft_hf)
+            write_atomic(result, json.dumps({"point": point.name, "heldout": study.heldout,
+                                             "exits": exits}, indent=1))
+            log(f"[study] {point.name}: measured again for its per-prompt hits")
+        record(study, point, exits)
         log(f"[study] {point.name}: finished ({result}); skipping")
         return True
     rows = point_data(study, sources, point.kind, point.budget, log)
