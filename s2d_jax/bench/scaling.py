@@ -149,6 +149,8 @@ def series(points: list[Point]) -> dict[tuple[str, str, int], list[Point]]:
 def _tokens(n: float) -> str:
     if not math.isfinite(n):
         return "never"
+    if n >= 1e9:
+        return f"{n / 1e9:.3g}B"
     return f"{n / 1e6:.3g}M" if n >= 1e5 else f"{n / 1e3:.3g}k"
 
 
