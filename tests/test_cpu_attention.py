@@ -52,6 +52,27 @@ def test_the_kernel_matches_xlas_blockwise_attention(dtype):
     assert np.abs(kernel[True] - kernel[False]).max() > 1e-3  # the patch changes the keys
 
 
+def test_uneven_row_groups_match_xla():
+    """One kv head and T = 1..32 query rows: the kernel splits a kv head's rows into about
+    2 groups a pool thread, ceil-wise, so for some T (which ones depends on the pool's
+    size, up to 8 threads) the last groups are short or empty."""
+    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_layers=2,
+                      num_heads=1, num_kv_heads=1, head_dim=64)
+    rng = np.random.default_rng(0)
+    shape = (cfg.num_layers, 1, 1, 64, cfg.head_dim)
+    kc, vc = (jnp.asarray(rng.standard_normal(shape, np.float32)) for _ in range(2))
+
+    def call(q, kc, vc, p):
+        return attention.cache_attention(q, kc, vc, jnp.int32(1), p, cfg, 16)
+    for T in range(1, 33):
+        q = jnp.asarray(rng.standard_normal((1, T, 1, cfg.head_dim), np.float32))
+        positions = jnp.arange(20, 20 + T, dtype=jnp.int32)[None]
+        kernel = np.asarray(jax.jit(call)(q, kc, vc, positions))
+        with small_matmul.disabled():
+            xla = np.asarray(jax.jit(call)(q, kc, vc, positions))
+        np.testing.assert_allclose(kernel, xla, rtol=2e-5, atol=2e-5, err_msg=f"T={T}")
+
+
 def test_each_row_is_bitwise_independent_of_the_rows_sharing_the_call():
     q, kc, vc, positions, new = _inputs(jnp.float32, B=1, T=8)
     call = jax.jit(lambda q, p, n: attention.cache_attention(q, kc, vc, jnp.int32(2), p, CFG,

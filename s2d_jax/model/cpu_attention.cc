@@ -40,6 +40,32 @@ typedef int32_t i16x16 __attribute__((vector_size(64)));
 
 inline v16 splat(float x) { return v16{} + x; }
 
+// 16 vectors' lane sums, one per lane of the result (lane j: the sum of part[j]'s lanes):
+// pairs are folded by halves, quarters, eighths and single lanes, so each vector's 16 lanes
+// are added by the same tree whatever its place among the 16.
+inline v16 reduce16(const v16* part) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(part[2 * i], part[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                   18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(part[2 * i], part[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                   24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
 // exp(x) for x <= 0 (scores minus their max), 16 lanes: 2^n * p(r), r = x - n ln2 in
 // [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error < 2e-7); below -87
 // (e^-87 ~ 1.6e-38) a weight is 0.
@@ -81,8 +107,8 @@ struct Shapes {
 };
 
 // One (batch row, kv head) and a range of its T * G query rows, against the slots each
-// row may see. Rows run one after another, each with its query and sums in registers; the
-// keys/values of the (b, kv) pair are read from L2 again for every row (once from memory).
+// row may see. The scores of all the rows run 16 slots at a time (a block of keys read once
+// into L1 for every row), their weighted values up to 4 rows at a time.
 struct Task {
   const Shapes* sh;
   const float* q;        // [B, T, K, G, H]
@@ -116,56 +142,135 @@ struct Task {
     }
   }
 
+  // Scores of query row `qr` against slots [s0, min(s0 + 16, n)): each slot's 16 partial
+  // sums reduced with the other slots' by one transposing tree (the same tree for every
+  // slot) instead of a horizontal sum per slot.
+  void scores16(const float* qr, const float* const* keys, int64_t s0, int64_t n, float* w) const {
+    const int64_t H = sh->H, H16 = H / 16 * 16, m = std::min<int64_t>(16, n - s0);
+    v16 part[16] = {};
+    if (m == 16 && H16 == 64) {  // the common case (head_dim 64), unrolled in registers
+      const v16 q0 = load16(qr), q1 = load16(qr + 16), q2 = load16(qr + 32), q3 = load16(qr + 48);
+      for (int j = 0; j < 16; ++j) {
+        const float* k = keys[s0 + j];
+        part[j] = (((v16{} + q0 * load16(k)) + q1 * load16(k + 16)) + q2 * load16(k + 32)) +
+                  q3 * load16(k + 48);
+      }
+    } else {
+      for (int64_t j = 0; j < m; ++j) {  // the same sums, any width
+        v16 a = {};
+        for (int64_t i = 0; i < H16; i += 16) a += load16(qr + i) * load16(keys[s0 + j] + i);
+        part[j] = a;
+      }
+    }
+    alignas(64) float d[16];
+    store16(d, reduce16(part));
+    for (int64_t j = 0; j < m; ++j) {
+      float dot = d[j];
+      for (int64_t i = H16; i < H; ++i) dot += qr[i] * keys[s0 + j][i];
+      w[s0 + j] = dot * scale;
+    }
+  }
+
+  // Softmax weights of row r's scores in place (unnormalized) -> their sum.
+  static float softmax(float* w, int64_t n) {
+    float m = w[0];  // the max, 16 lanes at a time (a scalar max chain cost ~4 cycles a slot)
+    int64_t s = 1;
+    if (n >= 16) {
+      v16 m16 = load16(w);
+      for (s = 16; s + 16 <= n; s += 16) {
+        v16 x = load16(w + s);
+        m16 = x > m16 ? x : m16;
+      }
+      for (int j = 0; j < 16; ++j) m = std::max(m, m16[j]);
+    }
+    for (; s < n; ++s) m = std::max(m, w[s]);
+    v16 sum16 = {};
+    for (s = 0; s + 16 <= n; s += 16) {  // the weights, unnormalized
+      v16 e = exp16(load16(w + s) - splat(m));
+      store16(w + s, e);
+      sum16 += e;
+    }
+    float norm = lane_sum(sum16);
+    for (; s < n; ++s) {  // the tail through a padded vector, the same exp
+      alignas(64) float t16[16] = {};
+      t16[0] = w[s] - m;
+      w[s] = exp16(load16(t16))[0];
+      norm += w[s];
+    }
+    return norm;
+  }
+
+  // Weighted values of R rows at once (their slot counts n[0..R)), 64 columns at a time in
+  // registers: each value vector is loaded once for the R rows, and R x 4 independent sums
+  // keep both FMA ports busy; each row still adds its slots in order, as it would alone.
+  template <int R>
+  void values(const float* const* vals, float* const* w, const int64_t* n, const float* norm,
+              float* const* o) const {
+    const int64_t H = sh->H, H16 = H / 16 * 16;
+    int64_t n_min = n[0], n_max = n[0];
+    for (int r = 1; r < R; ++r) n_min = std::min(n_min, n[r]), n_max = std::max(n_max, n[r]);
+    for (int64_t h = 0; h < H16; h += 64) {
+      const int64_t width = std::min<int64_t>(64, H16 - h) / 16;
+      v16 acc[R][4] = {};
+      int64_t s = 0;
+      for (; s < n_min; ++s) {
+        v16 v[4];
+        for (int64_t j = 0; j < width; ++j) v[j] = load16(vals[s] + h + 16 * j);
+        for (int r = 0; r < R; ++r) {
+          v16 p = splat(w[r][s]);
+          for (int64_t j = 0; j < width; ++j) acc[r][j] += p * v[j];
+        }
+      }
+      for (; s < n_max; ++s)
+        for (int r = 0; r < R; ++r) {
+          if (s >= n[r]) continue;
+          v16 p = splat(w[r][s]);
+          for (int64_t j = 0; j < width; ++j) acc[r][j] += p * load16(vals[s] + h + 16 * j);
+        }
+      for (int r = 0; r < R; ++r)
+        for (int64_t j = 0; j < width; ++j) store16(o[r] + h + 16 * j, acc[r][j] / splat(norm[r]));
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = H16; i < H; ++i) {
+        float acc = 0.f;
+        for (int64_t s = 0; s < n[r]; ++s) acc += w[r][s] * vals[s][i];
+        o[r][i] = acc / norm[r];
+      }
+  }
+
   void run(int64_t b, int64_t kv, int64_t r0, int64_t r1) const {
     const Shapes& d = *sh;
-    const int64_t H = d.H, H16 = H / 16 * 16;
+    const int64_t rows = r1 - r0;
+    if (rows <= 0) return;  // the last of the groups can be empty (rows split ceil-wise)
     int64_t n_max = 0;
     for (int64_t r = r0; r < r1; ++r) n_max = std::max(n_max, seen(b, r / d.G));
     std::vector<const float*> keys(n_max), vals(n_max);
-    std::vector<float> kbuf, vbuf, w(n_max);
+    std::vector<float> kbuf, vbuf, wbuf(rows * n_max), norms(rows);
+    std::vector<int64_t> n(rows), at(rows);
     slots(kc, k_new, b, kv, n_max, keys, kbuf);
     slots(vc, v_new, b, kv, n_max, vals, vbuf);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t n = seen(b, r / d.G), at = (((b * d.T + r / d.G) * d.K + kv) * d.G + r % d.G) * H;
-      const float* qr = q + at;
-      for (int64_t s = 0; s < n; ++s) {  // scores
-        const float* key = keys[s];
-        v16 a = {};
-        for (int64_t i = 0; i < H16; i += 16) a += load16(qr + i) * load16(key + i);
-        float dot = lane_sum(a);
-        for (int64_t i = H16; i < H; ++i) dot += qr[i] * key[i];
-        w[s] = dot * scale;
-      }
-      float m = w[0];
-      for (int64_t s = 1; s < n; ++s) m = std::max(m, w[s]);
-      v16 sum16 = {};
-      int64_t s = 0;
-      for (; s + 16 <= n; s += 16) {  // softmax weights, unnormalized
-        v16 e = exp16(load16(w.data() + s) - splat(m));
-        store16(w.data() + s, e);
-        sum16 += e;
-      }
-      float norm = lane_sum(sum16);
-      for (; s < n; ++s) {  // the tail through a padded vector, the same exp
-        alignas(64) float t16[16] = {};
-        t16[0] = w[s] - m;
-        w[s] = exp16(load16(t16))[0];
-        norm += w[s];
-      }
-      float* o = out + at;  // weighted values, 64 columns at a time in registers
-      for (int64_t h = 0; h < H16; h += 64) {
-        const int64_t width = std::min<int64_t>(64, H16 - h);
-        v16 acc[4] = {};
-        for (int64_t s = 0; s < n; ++s) {
-          v16 p = splat(w[s]);
-          for (int64_t j = 0; j < width / 16; ++j) acc[j] += p * load16(vals[s] + h + 16 * j);
-        }
-        for (int64_t j = 0; j < width / 16; ++j) store16(o + h + 16 * j, acc[j] / splat(norm));
-      }
-      for (int64_t i = H16; i < H; ++i) {
-        float acc = 0.f;
-        for (int64_t s = 0; s < n; ++s) acc += w[s] * vals[s][i];
-        o[i] = acc / norm;
+      n[r - r0] = seen(b, r / d.G);
+      at[r - r0] = (((b * d.T + r / d.G) * d.K + kv) * d.G + r % d.G) * d.H;
+    }
+    // every row's scores, 16 slots at a time: a block's keys stay in L1 for all the rows
+    for (int64_t s0 = 0; s0 < n_max; s0 += 16)
+      for (int64_t i = 0; i < rows; ++i)
+        if (s0 < n[i]) scores16(q + at[i], keys.data(), s0, n[i], wbuf.data() + i * n_max);
+    for (int64_t i = 0; i < rows; ++i) norms[i] = softmax(wbuf.data() + i * n_max, n[i]);
+    constexpr int kRows = 4;  // rows whose weighted values share one pass over the values
+    for (int64_t g = 0; g < rows; g += kRows) {
+      const int R = int(std::min<int64_t>(kRows, rows - g));
+      float* w[kRows];
+      float* o[kRows];
+      for (int i = 0; i < R; ++i) w[i] = wbuf.data() + (g + i) * n_max, o[i] = out + at[g + i];
+      const int64_t* ng = n.data() + g;
+      const float* nm = norms.data() + g;
+      switch (R) {
+        case 1: values<1>(vals.data(), w, ng, nm, o); break;
+        case 2: values<2>(vals.data(), w, ng, nm, o); break;
+        case 3: values<3>(vals.data(), w, ng, nm, o); break;
+        default: values<4>(vals.data(), w, ng, nm, o); break;
       }
     }
   }
