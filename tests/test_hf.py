@@ -1,5 +1,6 @@
 """HF LlamaForCausalLM <-> s2d-jax: logits parity (full and cached), file layouts, round trips."""
 
+import inspect
 import json
 import os
 
@@ -57,15 +58,17 @@ def hf_logits(model, tokens):
 
 
 def hf_cached_logits(model, tokens, prefill):
-    """HF's own prefill + token-by-token decoding (dynamic rope depends on this history)."""
+    """HF's own prefill + token-by-token decoding (dynamic rope depends on this history).
+    transformers 5.x names the cache `cache` (`past_key_values`, deprecated, goes in 5.40)."""
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     t = torch.tensor(tokens)
     with torch.no_grad():
         out = model(t[:, :prefill], use_cache=True)
-        logits, past = [out.logits], out.past_key_values
+        logits, past = [out.logits], getattr(out, key)
         for i in range(prefill, t.shape[1]):
-            out = model(t[:, i:i + 1], past_key_values=past, use_cache=True)
+            out = model(t[:, i:i + 1], use_cache=True, **{key: past})
             logits.append(out.logits)
-            past = out.past_key_values
+            past = getattr(out, key)
     return torch.cat(logits, 1).numpy()
 
 
