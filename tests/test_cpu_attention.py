@@ -53,9 +53,9 @@ def test_the_kernel_matches_xlas_blockwise_attention(dtype):
 
 
 def test_uneven_row_groups_match_xla():
-    """One kv head and T = 1..32 query rows: the kernel splits a kv head's rows into about
-    2 groups a pool thread, ceil-wise, so for some T (which ones depends on the pool's
-    size, up to 8 threads) the last groups are short or empty."""
+    """One kv head and T = 1..32 query rows: with fewer kv heads than pool threads the
+    kernel splits a head's rows into a group a thread, ceil-wise, so for some T (which ones
+    depends on the pool's size, 3 to 16 threads) the last groups are short or empty."""
     cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=64, num_layers=2,
                       num_heads=1, num_kv_heads=1, head_dim=64)
     rng = np.random.default_rng(0)
