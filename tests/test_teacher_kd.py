@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from s2d_jax.data.pipeline import DataConfig, make_iterator
-from s2d_jax.data.teacher import META, STATES, TeacherStates, write_teacher_states
+from s2d_jax.data.teacher import (META, STATES, TeacherStates, join_states,
+                                  write_teacher_states)
 from s2d_jax.readers import sha256_of
 from s2d_jax.errors import S2DError
 from s2d_jax.io.hf import export_hf
@@ -109,6 +110,42 @@ def fake_teacher(path, rows_path, dim=4):
     with open(os.path.join(path, META), "w") as f:
         json.dump({"rows_sha256": sha256_of(rows_path), "offsets": offsets, "dim": dim}, f)
     return str(path)
+
+
+def test_joined_shards_are_indexed_not_copied(tmp_path):
+    """The data engine's join: one dir over the shards' state files, read as one array (the
+    pipeline's packed rows get their own states), no second copy on disk; a gone or changed
+    shard is refused with the fix."""
+    rows = write_rows(tmp_path / "rows.jsonl", [5, 17, 40, 3, 60, 12, 33, 8] * 3)
+    whole = TeacherStates(fake_teacher(tmp_path / "whole", rows), rows).states
+    cuts = [0, 30, 31, 200, whole.shape[0]]
+    parts = []
+    for i in range(len(cuts) - 1):
+        parts.append(str(tmp_path / "shards" / f"states-{i}.npy"))
+        os.makedirs(tmp_path / "shards", exist_ok=True)
+        np.save(parts[-1], np.asarray(whole[cuts[i]:cuts[i + 1]]))
+    out = tmp_path / "train" / "teacher"
+    os.makedirs(out)
+    np.save(out / STATES, np.zeros((1, 4), np.float16))  # an earlier version's joined copy
+    join_states(parts, rows, str(out), "t", log=lambda *_: None)
+    assert sorted(os.listdir(out)) == [META]  # the states live in the shards only
+    joined = TeacherStates(str(out), rows)
+    index = np.array([[0, 29, 30, 31], [199, 200, whole.shape[0] - 1, 5]])
+    np.testing.assert_array_equal(joined.gather(index), np.asarray(whole)[index])
+    np.testing.assert_array_equal(joined.states[:250], np.asarray(whole[:250]))
+    with pytest.raises(IndexError):
+        joined.gather(np.array([whole.shape[0]]))
+    cfg = DataConfig(paths=(rows,), format="tokens", teacher=str(out), seq_len=48,
+                     batch_size=4, packing=True, tokenizer=LLAMA)
+    b = next(make_iterator(cfg, load_tokenizer(LLAMA), 0, 1))
+    real = b["segment_ids"] > 0
+    np.testing.assert_array_equal(b["teacher_hidden"][..., 0][real], b["inputs"][real])
+    np.save(parts[2], np.asarray(whole[31:150]))  # a shard rewritten shorter
+    with pytest.raises(S2DError, match="teacher stage"):
+        TeacherStates(str(out), rows)
+    os.remove(parts[2])
+    with pytest.raises(S2DError, match="teacher stage"):
+        TeacherStates(str(out), rows)
 
 
 @pytest.mark.parametrize("packing", [True, False])

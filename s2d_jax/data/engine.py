@@ -9,7 +9,8 @@ once complete) under one work dir, each recording the target's fingerprint.
     teacher/   teacher-forced supervision: token rows of the answers, GSM8K reference
                solutions and documents, each shard with the target's final-normed states
                at its positions (teacher.py; what data.teacher feeds the KD term)
-    train/     rows.jsonl + teacher/: the teacher shards joined into what the trainer reads
+    train/     rows.jsonl + teacher/ (an index of the teacher shards' state files, not a
+               copy): what the trainer reads
 
 The model passes come in as callables (decode ranks above data): a `Decoder` for
 generation, `states(rows) -> [tokens, D]` for the teacher forward.

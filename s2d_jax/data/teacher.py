@@ -32,8 +32,46 @@ def row_offsets(lengths) -> np.ndarray:
     return np.concatenate([[0], np.cumsum([n - 1 for n in lengths])]).astype(np.int64)
 
 
+class _Parts:
+    """Per-shard state files read as one [N, D] array (read-only, memory-mapped): what a
+    joined dir indexes instead of a copy of them. Integer-array and slice indexing."""
+
+    def __init__(self, arrays: list):
+        self.arrays = arrays
+        self.starts = np.concatenate([[0], np.cumsum([a.shape[0] for a in arrays])])
+        self.shape = (int(self.starts[-1]), int(arrays[0].shape[1]))
+
+    def __getitem__(self, index):
+        flat = (np.arange(self.shape[0])[index] if isinstance(index, slice)
+                else np.asarray(index, np.int64))
+        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+            raise IndexError(f"state index out of range [0, {self.shape[0]})")
+        part = np.searchsorted(self.starts, flat.reshape(-1), side="right") - 1
+        out = np.empty((flat.size, self.shape[1]), self.arrays[0].dtype)
+        for p in np.unique(part):
+            at = part == p
+            out[at] = self.arrays[p][flat.reshape(-1)[at] - self.starts[p]]
+        return out.reshape(*flat.shape, self.shape[1])
+
+
+def _load_parts(path: str, meta: dict) -> _Parts:
+    arrays = []
+    for rel, n in zip(meta["parts"], meta["part_states"]):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            raise S2DError(f"teacher states {path} index {f}, which is gone; rerun the data "
+                           f"engine's teacher stage (or delete {path})")
+        a = np.load(f, mmap_mode="r")
+        if a.shape != (n, meta["dim"]):
+            raise S2DError(f"{f} holds {a.shape[0]} states of {a.shape[1:]}, {path} indexes "
+                           f"{n} of ({meta['dim']},): the shard changed; rerun the teacher stage")
+        arrays.append(a)
+    return _Parts(arrays)
+
+
 class TeacherStates:
-    """A written teacher-states dir, checked against the token rows it was computed from."""
+    """A written teacher-states dir, checked against the token rows it was computed from:
+    one states file, or (the data engine's joined dir) an index of its shards' files."""
 
     def __init__(self, path: str, rows_path: str | None = None):
         meta_path = os.path.join(path, META)
@@ -46,11 +84,12 @@ class TeacherStates:
         if rows_path is not None and self.meta["rows_sha256"] != sha256_of(rows_path):
             raise S2DError(f"teacher states {path} were computed from another version of "
                            f"{rows_path}; rewrite them (delete {path})")
-        self.states = np.load(os.path.join(path, STATES), mmap_mode="r")
+        self.states = (_load_parts(path, self.meta) if "parts" in self.meta
+                       else np.load(os.path.join(path, STATES), mmap_mode="r"))
         self.offsets = np.asarray(self.meta["offsets"], np.int64)
         if self.states.shape[0] != self.offsets[-1]:
-            raise S2DError(f"{path}/{STATES} has {self.states.shape[0]} states, its index "
-                           f"{self.offsets[-1]}: the file is incomplete; delete {path}")
+            raise S2DError(f"{path} has {self.states.shape[0]} states, its index "
+                           f"{self.offsets[-1]}: the states are incomplete; delete {path}")
 
     @property
     def dim(self) -> int:
@@ -183,8 +222,10 @@ def join_states(parts: list[str], rows_path: str, out_dir: str, target: str, *,
                 log=print) -> str:
     """One teacher-states dir for `rows_path` from per-shard state files `parts` (.npy,
     rows in the same order, as the data engine's teacher stage writes them): what
-    data.teacher reads. Idempotent like write_teacher_states."""
+    data.teacher reads. It indexes the shards' files (named relative to out_dir) instead of
+    copying them, so the states are stored once. Idempotent like write_teacher_states."""
     from s2d_jax.data.sources import load_token_rows
+    from s2d_jax.io.atomic import write_atomic
 
     sha = sha256_of(rows_path)
     if _up_to_date(out_dir, sha, log):
@@ -196,18 +237,18 @@ def join_states(parts: list[str], rows_path: str, out_dir: str, target: str, *,
     if sum(a.shape[0] for a in arrays) != offsets[-1]:
         raise S2DError(f"the state files hold {sum(a.shape[0] for a in arrays)} states, "
                        f"{rows_path} needs {offsets[-1]}; rerun the teacher stage")
+    dims = {a.shape[1:] for a in arrays}
+    if len(dims) != 1 or len(next(iter(dims))) != 1:
+        raise S2DError(f"the state files' shapes differ ({sorted(dims)}); rerun the teacher stage")
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, STATES + ".tmp")
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16,
-                                    shape=(int(offsets[-1]), arrays[0].shape[1]))
-    at = 0
-    for a in arrays:
-        out[at:at + a.shape[0]] = a
-        at += a.shape[0]
-    out.flush()
-    del out
-    log(f"[teacher] {out_dir}: {at} states of {len(parts)} shards")
-    # the rows named relative to out_dir: a moved cache stays the same bytes
-    return _finish(out_dir, tmp, {"rows_sha256": sha, "rows": os.path.relpath(rows_path,
-                                  out_dir), "target": target, "dim": int(arrays[0].shape[1]),
-                                  "offsets": offsets.tolist()})
+    log(f"[teacher] {out_dir}: {int(offsets[-1])} states of {len(parts)} shards (indexed)")
+    # the rows and shards named relative to out_dir: a moved cache stays the same bytes
+    write_atomic(os.path.join(out_dir, META), json.dumps({
+        "rows_sha256": sha, "rows": os.path.relpath(rows_path, out_dir), "target": target,
+        "dim": int(arrays[0].shape[1]), "offsets": offsets.tolist(),
+        "parts": [os.path.relpath(p, out_dir) for p in parts],
+        "part_states": [int(a.shape[0]) for a in arrays]}))
+    copy = os.path.join(out_dir, STATES)  # a copy an earlier version joined, now unread
+    if os.path.exists(copy):
+        os.remove(copy)
+    return out_dir
