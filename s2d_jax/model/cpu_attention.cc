@@ -31,14 +31,14 @@ namespace ffi = xla::ffi;
 namespace {
 
 using s2d_cpu::cpu_relax;
+using s2d_cpu::fmadd;
 using s2d_cpu::lane_sum;
 using s2d_cpu::load16;
+using s2d_cpu::splat;
 using s2d_cpu::store16;
 using s2d_cpu::v16;
 
 typedef int32_t i16x16 __attribute__((vector_size(64)));
-
-inline v16 splat(float x) { return v16{} + x; }
 
 // 16 vectors' lane sums, one per lane of the result (lane j: the sum of part[j]'s lanes):
 // pairs are folded by halves, quarters, eighths and single lanes, so each vector's 16 lanes
@@ -74,16 +74,16 @@ inline v16 exp16(v16 x) {
   i16x16 dead = x < lo;
   x = x < lo ? lo : x;
   // round to nearest: adding and removing 1.5 * 2^23 leaves an integer (|n| < 2^22)
-  v16 n = (x * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
-  v16 r = x - n * splat(0.693359375f);  // ln2 in two parts, so r is exact
-  r = r - n * splat(-2.12194440e-4f);
+  v16 n = fmadd(x, splat(1.44269504088896341f), splat(12582912.0f)) - splat(12582912.0f);
+  v16 r = fmadd(-n, splat(0.693359375f), x);  // ln2 in two parts, so r is exact
+  r = fmadd(-n, splat(-2.12194440e-4f), r);
   v16 p = splat(1.0f / 720);
-  p = p * r + splat(1.0f / 120);
-  p = p * r + splat(1.0f / 24);
-  p = p * r + splat(1.0f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.0f);
-  p = p * r + splat(1.0f);
+  p = fmadd(p, r, splat(1.0f / 120));
+  p = fmadd(p, r, splat(1.0f / 24));
+  p = fmadd(p, r, splat(1.0f / 6));
+  p = fmadd(p, r, splat(0.5f));
+  p = fmadd(p, r, splat(1.0f));
+  p = fmadd(p, r, splat(1.0f));
   i16x16 bits = (__builtin_convertvector(n, i16x16) + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -152,13 +152,15 @@ struct Task {
       const v16 q0 = load16(qr), q1 = load16(qr + 16), q2 = load16(qr + 32), q3 = load16(qr + 48);
       for (int j = 0; j < 16; ++j) {
         const float* k = keys[s0 + j];
-        part[j] = (((v16{} + q0 * load16(k)) + q1 * load16(k + 16)) + q2 * load16(k + 32)) +
-                  q3 * load16(k + 48);
+        v16 a = fmadd(q0, load16(k), v16{});
+        a = fmadd(q1, load16(k + 16), a);
+        a = fmadd(q2, load16(k + 32), a);
+        part[j] = fmadd(q3, load16(k + 48), a);
       }
     } else {
       for (int64_t j = 0; j < m; ++j) {  // the same sums, any width
         v16 a = {};
-        for (int64_t i = 0; i < H16; i += 16) a += load16(qr + i) * load16(keys[s0 + j] + i);
+        for (int64_t i = 0; i < H16; i += 16) a = fmadd(load16(qr + i), load16(keys[s0 + j] + i), a);
         part[j] = a;
       }
     }
@@ -166,7 +168,7 @@ struct Task {
     store16(d, reduce16(part));
     for (int64_t j = 0; j < m; ++j) {
       float dot = d[j];
-      for (int64_t i = H16; i < H; ++i) dot += qr[i] * keys[s0 + j][i];
+      for (int64_t i = H16; i < H; ++i) dot = fmadd(qr[i], keys[s0 + j][i], dot);
       w[s0 + j] = dot * scale;
     }
   }
@@ -218,14 +220,14 @@ struct Task {
         for (int64_t j = 0; j < width; ++j) v[j] = load16(vals[s] + h + 16 * j);
         for (int r = 0; r < R; ++r) {
           v16 p = splat(w[r][s]);
-          for (int64_t j = 0; j < width; ++j) acc[r][j] += p * v[j];
+          for (int64_t j = 0; j < width; ++j) acc[r][j] = fmadd(p, v[j], acc[r][j]);
         }
       }
       for (; s < n_max; ++s)
         for (int r = 0; r < R; ++r) {
           if (s >= n[r]) continue;
           v16 p = splat(w[r][s]);
-          for (int64_t j = 0; j < width; ++j) acc[r][j] += p * load16(vals[s] + h + 16 * j);
+          for (int64_t j = 0; j < width; ++j) acc[r][j] = fmadd(p, load16(vals[s] + h + 16 * j), acc[r][j]);
         }
       for (int r = 0; r < R; ++r)
         for (int64_t j = 0; j < width; ++j) store16(o[r] + h + 16 * j, acc[r][j] / splat(norm[r]));
@@ -233,7 +235,7 @@ struct Task {
     for (int r = 0; r < R; ++r)
       for (int64_t i = H16; i < H; ++i) {
         float acc = 0.f;
-        for (int64_t s = 0; s < n[r]; ++s) acc += w[r][s] * vals[s][i];
+        for (int64_t s = 0; s < n[r]; ++s) acc = fmadd(w[r][s], vals[s][i], acc);
         o[r][i] = acc / norm[r];
       }
   }

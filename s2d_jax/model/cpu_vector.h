@@ -7,6 +7,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__FMA__)
+#include <immintrin.h>
+#define S2D_FUSED_MULTIPLY_ADD 1
+#endif
+
 namespace s2d_cpu {
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -20,6 +25,38 @@ inline v16 load16(const float* p) {
 }
 
 inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline v16 splat(float x) { return v16{} + x; }
+
+// a * b + c. The kernels build with -ffp-contract=off and write every multiply-add through
+// these two: fused (one rounding) where the CPU has FMA, unfused elsewhere, the same for
+// vector lanes and scalar tails. Left to the compiler, GCC 12 on an AMD Zen 4 fused the
+// vector tiles' multiply-adds but not every scalar loop's, so a column summed in a vector
+// tile at one row count and in the scalar tail at another differed in the last bit, and a
+// token's output depended on how many tokens shared the call.
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(S2D_FUSED_MULTIPLY_ADD) && defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(S2D_FUSED_MULTIPLY_ADD)
+  v8 lo = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                              (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                              (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  v8 hi = (v8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                              (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                              (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a * b + c;
+#endif
+}
+
+inline float fmadd(float a, float b, float c) {
+#if defined(S2D_FUSED_MULTIPLY_ADD)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
 
 // The 16 lanes summed as a fixed tree (halves added): the same order on every call, so a
 // row's result does not depend on which other rows share the call.

@@ -11,7 +11,8 @@
 // Every row is computed by the same instruction sequence whatever M is (rows never share
 // accumulators; the k order is fixed), so a token's output does not depend on how many
 // tokens share the call: bitwise, which keeps greedy speculative decoding equal to AR.
-// No -ffast-math: the compiler may not reorder the sums.
+// No -ffast-math: the compiler may not reorder the sums; -ffp-contract=off: it may not fuse
+// a multiply-add on its own either (every one is an explicit `fmadd`, cpu_vector.h).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -26,8 +27,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 using s2d_cpu::cpu_relax;
+using s2d_cpu::fmadd;
 using s2d_cpu::lane_sum;
 using s2d_cpu::load16;  // float32; the bfloat16 and int8 loads below join the overloads
+using s2d_cpu::splat;
 using s2d_cpu::store16;
 using s2d_cpu::v16;
 using s2d_cpu::v4;
@@ -88,8 +91,8 @@ void kn_tile(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t
     v16 wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load16(row + 16 * v);
     for (int r = 0; r < R; ++r) {
-      float xv = x[r * K + k];
-      for (int v = 0; v < V; ++v) acc[r][v] += xv * wv[v];
+      v16 xv = splat(x[r * K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = fmadd(xv, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -101,7 +104,7 @@ template <typename W>
 void kn_tail(const float* x, const W* w, float* y, int R, int64_t K, int64_t N, int64_t c) {
   for (int r = 0; r < R; ++r) {
     float acc = 0.f;
-    for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * load1(w + k * N + c);
+    for (int64_t k = 0; k < K; ++k) acc = fmadd(x[r * K + k], load1(w + k * N + c), acc);
     y[r * N + c] = acc;
   }
 }
@@ -123,8 +126,8 @@ void nk_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_
       __builtin_prefetch(ahead + 64, 0, 2);
       v16 w0 = load16(row), w1 = load16(row + 16);
       for (int r = 0; r < R; ++r) {
-        acc[j][r][0] += load16(x + r * K + k) * w0;
-        acc[j][r][1] += load16(x + r * K + k + 16) * w1;
+        acc[j][r][0] = fmadd(load16(x + r * K + k), w0, acc[j][r][0]);
+        acc[j][r][1] = fmadd(load16(x + r * K + k + 16), w1, acc[j][r][1]);
       }
     }
   }
@@ -132,9 +135,9 @@ void nk_block(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_
   for (int j = 0; j < NR; ++j) {
     const W* row = w + (n + j) * K;
     for (int r = 0; r < R; ++r) {
-      if (half) acc[j][r][0] += load16(x + r * K + k) * load16(row + k);
+      if (half) acc[j][r][0] = fmadd(load16(x + r * K + k), load16(row + k), acc[j][r][0]);
       float s = lane_sum(acc[j][r][0] + acc[j][r][1]);
-      for (int64_t i = k + (half ? 16 : 0); i < K; ++i) s += x[r * K + i] * load1(row + i);
+      for (int64_t i = k + (half ? 16 : 0); i < K; ++i) s = fmadd(x[r * K + i], load1(row + i), s);
       y[r * N + n + j] = s;
     }
   }
