@@ -175,9 +175,13 @@ void run_rows(bool nk, const float* x, const W* w, float* y, int R, int64_t K, i
 #undef S2D_CASE
 }
 
-// Work shared by the calling thread and the pool's threads: chunks of columns claimed from
-// an atomic counter. A helper task that starts late finds nothing left and touches no
-// buffer; the caller waits only for chunks already claimed.
+// Work shared by the calling thread and the pool's threads: chunks of columns, each claimed
+// once through its flag. Thread s walks its own contiguous segment of chunks forward, then
+// takes what is left of the others' from their ends backward: the threads stream distant
+// parts of each weight row at once (when they took neighbouring chunks from one counter, a
+// one-row call on a 2-core AMD EPYC streamed ~25% slower than a two-row one). A helper task
+// that starts late finds everything claimed and touches no buffer; the caller claims every
+// chunk it can and waits only for chunks already claimed.
 enum class WeightType { kF32, kBF16, kS8 };
 
 struct Work {
@@ -186,22 +190,32 @@ struct Work {
   const float* x;
   const void* w;
   float* y;
-  int64_t M, K, N, chunk_cols, chunks;
-  std::atomic<int64_t> next{0}, done{0};
+  int64_t M, K, N, chunk_cols, chunks, segments;
+  std::unique_ptr<std::atomic<bool>[]> claimed;
+  std::atomic<int64_t> done{0};
 
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks; done.fetch_add(1)) {
-      int64_t c0 = c * chunk_cols, c1 = std::min(N, c0 + chunk_cols);
-      for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-        int R = int(std::min<int64_t>(kMaxRows, M - r0));
-        if (type == WeightType::kBF16)
-          run_rows(nk, x + r0 * K, static_cast<const uint16_t*>(w), y + r0 * N, R, K, N, c0, c1);
-        else if (type == WeightType::kS8)
-          run_rows(nk, x + r0 * K, static_cast<const int8_t*>(w), y + r0 * N, R, K, N, c0, c1);
-        else
-          run_rows(nk, x + r0 * K, static_cast<const float*>(w), y + r0 * N, R, K, N, c0, c1);
-      }
+  void run(int64_t seg) {
+    auto begin = [this](int64_t s) { return s * chunks / segments; };
+    for (int64_t c = begin(seg); c < begin(seg + 1); ++c) claim(c);
+    for (int64_t o = 1; o < segments; ++o) {
+      int64_t s = (seg + o) % segments;
+      for (int64_t c = begin(s + 1) - 1; c >= begin(s); --c) claim(c);
     }
+  }
+
+  void claim(int64_t c) {
+    if (claimed[c].exchange(true, std::memory_order_relaxed)) return;
+    int64_t c0 = c * chunk_cols, c1 = std::min(N, c0 + chunk_cols);
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      int R = int(std::min<int64_t>(kMaxRows, M - r0));
+      if (type == WeightType::kBF16)
+        run_rows(nk, x + r0 * K, static_cast<const uint16_t*>(w), y + r0 * N, R, K, N, c0, c1);
+      else if (type == WeightType::kS8)
+        run_rows(nk, x + r0 * K, static_cast<const int8_t*>(w), y + r0 * N, R, K, N, c0, c1);
+      else
+        run_rows(nk, x + r0 * K, static_cast<const float*>(w), y + r0 * N, R, K, N, c0, c1);
+    }
+    done.fetch_add(1, std::memory_order_release);
   }
 };
 
@@ -245,9 +259,11 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   cols = std::max(min_cols, (cols + kCols - 1) / kCols * kCols);
   work->chunk_cols = cols;
   work->chunks = (N + cols - 1) / cols;
-  for (int64_t t = 1; t < std::min(threads, work->chunks); ++t)
-    pool.Schedule([work] { work->run(); });
-  work->run();
+  work->segments = std::min(threads, work->chunks);
+  work->claimed.reset(new std::atomic<bool>[work->chunks]());
+  for (int64_t t = 1; t < work->segments; ++t)
+    pool.Schedule([work, t] { work->run(t); });
+  work->run(0);
   while (work->done.load(std::memory_order_acquire) < work->chunks) cpu_relax();
   return ffi::Error::Success();
 }
