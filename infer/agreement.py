@@ -18,33 +18,28 @@ from __future__ import annotations
 
 import json
 
-from infer.args import ArgumentParser, check_at_least, check_output_path, path_arg
+from infer.args import ArgumentParser, add_input, add_output, check_at_least
 from s2d_jax.bench.agreement import measurable_exits  # noqa: F401 (train.smollm2_draft, tests)
 from s2d_jax.errors import cli_main
-from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.agreement", description=__doc__)
-    ap.add_argument("--target", required=True, type=path_arg,
+    add_input(ap, "--target", required=True,
                     help="the target (HF dir, checkpoint, .gguf)")
-    ap.add_argument("--draft", action="append", required=True, type=path_arg,
+    add_input(ap, "--draft", action="append", required=True,
                     help="a sorted draft (pack or model dir); repeat to compare drafts")
-    ap.add_argument("--questions", default="data/smollm2_calibration.jsonl", type=path_arg,
+    add_input(ap, "--questions", default="data/smollm2_calibration.jsonl",
                     help="prompts (Spec-Bench jsonl)")
     ap.add_argument("--max-prompts", type=int, default=12, help="prompts to use at most")
     ap.add_argument("--max-new-tokens", type=int, default=64,
                     help="new tokens per answer at most")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
                     help="auto: the tokenizer's own template")
-    ap.add_argument("--out", default=None, type=path_arg,
+    add_output(ap, "--out", default=None,
                     help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
     check_at_least(args, {"max_prompts": 1, "max_new_tokens": 2})
-    check_outputs([Output("--out", args.out)], {"--target": args.target, "--draft": args.draft,
-                                                "--questions": args.questions})
-    if args.out is not None:
-        check_output_path(args.out)
     return args
 
 

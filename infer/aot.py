@@ -21,17 +21,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infer.args import (ArgumentParser, add_fake_devices_flag, check_at_least, check_gamma,
-                        fake_cpu_devices, finite_number, parse_floats, parse_ints,
-                        path_arg)
+from infer.args import (ArgumentParser, add_fake_devices_flag, add_input, check_at_least,
+                        check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.aot", description=__doc__)
-    p.add_argument("--target", required=True, type=path_arg,
+    add_input(p, "--target", required=True,
                    help="target model YAML / HF dir / config.json")
-    p.add_argument("--draft", default=None, type=path_arg,
+    add_input(p, "--draft", default=None,
                    help="draft model (its first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
     p.add_argument("--exits", default=None, help="draft exits, e.g. 6,9,12 (default: draft depth)")
@@ -66,7 +65,7 @@ def _parse(argv):
     p.add_argument("--bandwidth", type=finite_number, default=None, metavar="GB/s",
                    help="memory bandwidth of one device (default: the --device-memory "
                         "preset's datasheet figure, s2d_jax/decode/roofline.py)")
-    p.add_argument("--train-config", default=None, type=path_arg,
+    add_input(p, "--train-config", default=None,
                    help="also AOT-compile the SoFT step of this training YAML for the draft")
     return p.parse_args(argv)
 

@@ -4,6 +4,13 @@ syntax and the `--fake-devices` flag.
 
 Every check raises a one-line S2DError naming the flag and the fix, which `cli_main`
 prints as `error: ...` (argparse's own errors would print a usage block instead).
+
+Numbers go through the validators the Python API uses (s2d_jax/validate.py): every `int`
+flag must fit int32, every `float` flag must be finite. Every path flag is declared with
+`add_input` or `add_output`; the parser then applies the output rule
+(s2d_jax/io/outputs.check_outputs: an output is never, contains or lies inside an input,
+is never empty, `.`, a file where a dir is meant, or unwritable) to the parsed flags
+before the command does any work, so a command cannot forget it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import math
 import os
 import re
 
+from s2d_jax import validate
 from s2d_jax.config import finite_float
 # the gamma check lives beside max_gamma (the library's benchmark uses it too)
 from s2d_jax.decode.defaults import check_gamma  # noqa: F401
@@ -44,8 +52,113 @@ class ArgumentParser(argparse.ArgumentParser):
         # a digit, so anything like -1,2 or -1e-3 is a value
         self._negative_number_matcher = re.compile(r"^-[\d.][\d.,eE+-]*$")
 
+        # every int flag fits int32 and every float flag is finite (s2d_jax/validate.py)
+        self.register("type", int, bounded_int)
+        self.register("type", float, finite_number)
+
     def error(self, message):
         raise S2DError(f"{message}; see {self.prog} --help")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        check_path_flags(self, ns)
+        return ns
+
+
+def _chosen_parsers(parser: argparse.ArgumentParser, ns) -> list:
+    """The parser and, for each subcommand level, the subparser the user chose."""
+    out = [parser]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            chosen = a.choices.get(getattr(ns, a.dest, None) or "")
+            if chosen is not None:
+                out += _chosen_parsers(chosen, ns)
+    return out
+
+
+def path_flags(parser: argparse.ArgumentParser, ns=None) -> list[argparse.Action]:
+    """The actions declared by add_input / add_output (of the chosen subcommand, with a
+    namespace; of every subcommand without)."""
+    parsers = _chosen_parsers(parser, ns) if ns is not None else _all_parsers(parser)
+    return [a for p in parsers for a in p._actions
+            if hasattr(a, "s2d_input") or hasattr(a, "s2d_output")]
+
+
+def _all_parsers(parser) -> list:
+    out = [parser]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in dict.fromkeys(a.choices.values()):
+                out += _all_parsers(sub)
+    return out
+
+
+def check_path_flags(parser: argparse.ArgumentParser, ns) -> None:
+    """The output rule over the parsed path flags (see the module docstring)."""
+    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    inputs, outputs = {}, []
+    for a in path_flags(parser, ns):
+        value, flag = getattr(ns, a.dest, None), a.option_strings[0] if a.option_strings \
+            else a.dest
+        if value is None:
+            continue
+        if hasattr(a, "s2d_input"):
+            inputs[flag] = a.s2d_input(value)
+        else:
+            kind, overwrite = a.s2d_output
+            outputs.append(Output(flag, value, kind,
+                                  bool(getattr(ns, overwrite, False)) if overwrite else False,
+                                  owner=parser.prog if kind == DIR else ""))
+    if outputs:
+        check_outputs(outputs, inputs)
+    ns.s2d_prog = parser.prog  # the owner files_dir marks a DIR output with
+
+
+def _paths_as_given(value):
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def add_input(container, *flags, paths=_paths_as_given, **kw) -> argparse.Action:
+    """A flag naming something the command reads (a model, a data file, a config): outputs
+    may not touch it. `paths(value)` -> its path(s) (e.g. NAME=PATH specs' paths)."""
+    kw.setdefault("type", path_arg)
+    action = container.add_argument(*flags, **kw)
+    action.s2d_input = paths
+    return action
+
+
+def add_output(container, *flags, kind: str = "file", overwrite: str | None = None,
+               **kw) -> argparse.Action:
+    """A flag naming something the command writes. kind: outputs.FILE, DIR (a dir of
+    files, marked as this command's), CACHE (a shared dir) or a model dir kind (HF_DIR,
+    CHECKPOINT, DRAFT_PACK: replaced whole, only with the `overwrite` switch's dest set)."""
+    kw.setdefault("type", path_arg)
+    action = container.add_argument(*flags, **kw)
+    action.s2d_output = (kind, overwrite)
+    return action
+
+
+def comma_paths(text: str) -> tuple[str, ...]:
+    """'a.json,b.txt' -> the paths of a comma-separated file-list flag (empty items dropped);
+    also add_input's `paths` of such a flag."""
+    return tuple(expand_path(p) for p in text.split(",") if p)
+
+
+def target_paths(specs) -> list[str]:
+    """add_input's `paths` of `[NAME=]PATH` target flags."""
+    return list(parse_targets([specs] if isinstance(specs, str) else list(specs)).values())
+
+
+def bounded_int(text: str) -> int:
+    """argparse `type` of every int flag: an integer that fits int32."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    try:
+        return validate.integer(value, "it", lo=-validate.INT32_MAX - 1)
+    except S2DError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def finite_number(text: str) -> float:
@@ -74,27 +187,7 @@ def check_at_least(args, minimums: dict[str, float]) -> None:
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    if not temperature >= 0 or math.isinf(temperature):
-        raise S2DError(f"--temperature must be a finite number >= 0 (0 = greedy), got "
-                       f"{temperature}")
-    if not 0 < top_p <= 1:
-        raise S2DError(f"--top-p must lie in (0, 1] (1 = off), got {top_p}")
-    if top_k < 0:
-        raise S2DError(f"--top-k must be >= 0 (0 = off), got {top_k}")
-
-
-def check_output_path(path: str, flag: str = "--out", is_dir: bool = False) -> None:
-    """Fail before any work when `path` cannot be written: its nearest existing ancestor
-    must be a writable directory (a regular file there stops root too), and a file output
-    must not be an existing directory."""
-    if not is_dir and os.path.isdir(path):
-        raise S2DError(f"{flag} {path} is a directory; pass a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise S2DError(f"{flag} {path} cannot be created: {parent} is not a writable "
-                       f"directory; choose another path")
+    validate.sampling(temperature, top_p, top_k, prefix="--")
 
 
 def parse_floats(text: str, flag: str = "value", nonempty: bool = False) -> list[float]:

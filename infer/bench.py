@@ -44,17 +44,19 @@ import json
 import os
 import sys
 
-from infer.args import ArgumentParser, path_arg
+from infer.args import ArgumentParser, add_input, add_output, target_paths
+from s2d_jax.io.outputs import DIR
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.bench", description=__doc__)
-    ap.add_argument("--targets", nargs="+", required=True, metavar="NAME=DIR",
+    add_input(ap, "--targets", nargs="+", required=True, metavar="NAME=DIR", type=str,
+              paths=target_paths,
                     help="the target models, named")
-    ap.add_argument("--draft", default=None, type=path_arg,
+    add_input(ap, "--draft", default=None,
                     help="sorted draft dir (exits from its config)")
-    ap.add_argument("--questions", default="data/demo_questions.jsonl", type=path_arg,
+    add_input(ap, "--questions", default="data/demo_questions.jsonl",
                     help="prompts (Spec-Bench / MT-bench jsonl)")
     ap.add_argument("--max-prompts", type=int, default=None,
                     help="prompts to use at most, round-robin over tasks (default: all)")
@@ -96,13 +98,13 @@ def parse_args(argv):
                     help="per target, time the parts of a draft step (each exit's segment, "
                     "the head, the confidence, the CALM fill, the control flow) against "
                     "the target's decode step, once after the warm-up")
-    ap.add_argument("--out", default="runs/bench", type=path_arg,
+    add_output(ap, "--out", kind=DIR, default="runs/bench",
                     help="output directory (report, answers, plot)")
     return ap.parse_args(argv)
 
 
 def _check_args(args):
-    from infer.args import check_at_least, check_output_path, parse_targets
+    from infer.args import check_at_least, parse_targets
     from infer.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
     targets = parse_targets(args.targets)
@@ -135,14 +137,10 @@ def _check_args(args):
         from s2d_jax.bench.hf_baseline import require_torch
         require_torch()
     chains = _check_chains(args, targets, temps, kinds)
-    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    from s2d_jax.io.outputs import Output, check_outputs
+    # the flags' paths were checked by the parser; the chains' models are known only now
     check_outputs([Output("--out", args.out, DIR)], {
-        "--targets": list(targets.values()), "--draft": args.draft,
-        "--questions": args.questions,
         "--chain": [c.intermediate for cs in chains.values() for c in cs if c.intermediate]})
-    check_output_path(args.out, is_dir=True)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found before the run
-        raise S2DError(f"--out {args.out} is a file; pass a directory for the report")
     return targets, temps, kinds, chains
 
 
@@ -286,12 +284,14 @@ def main(argv=None):
     targets, temps, kinds, chains = _check_args(args)
     from s2d_jax.bench import report as bench_report
 
+    from s2d_jax.io.atomic import files_dir
     shared = _inputs(args, targets, temps, kinds)
     report, all_runs = _bench_all(args, targets, chains, shared)
-    print(_write(args.out, report, all_runs, shared["questions"], shared["tok"]))
-    if not bench_report.plot(report, os.path.join(args.out, "speedup.png")):
-        print(f"speedup.png skipped: matplotlib is not installed "
-              f"({bench_report.PLOT_EXTRA})", file=sys.stderr)
+    with files_dir(args.out, args.s2d_prog):
+        print(_write(args.out, report, all_runs, shared["questions"], shared["tok"]))
+        if not bench_report.plot(report, os.path.join(args.out, "speedup.png")):
+            print(f"speedup.png skipped: matplotlib is not installed "
+                  f"({bench_report.PLOT_EXTRA})", file=sys.stderr)
     return 0
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infer.args import ArgumentParser, finite_number, path_arg
+from infer.args import ArgumentParser, add_input, add_output, finite_number, target_paths
 from s2d_jax.bench.calibration import CalibrateOptions
 from s2d_jax.errors import S2DError, cli_main
 
@@ -32,10 +32,10 @@ DEFAULT = {f.name: f.default for f in dataclasses.fields(CalibrateOptions)}
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.calibrate", description=__doc__)
-    ap.add_argument("--target", required=True, metavar="[NAME=]DIR",
+    add_input(ap, "--target", required=True, metavar="[NAME=]DIR", type=str, paths=target_paths,
                     help="the target to calibrate")
-    ap.add_argument("--draft", required=True, type=path_arg, help="its sorted draft")
-    ap.add_argument("--questions", default=DEFAULT["questions"], type=path_arg,
+    add_input(ap, "--draft", required=True, help="its sorted draft")
+    add_input(ap, "--questions", default=DEFAULT["questions"],
                     help="calibration prompts (default: the demo family's dev set)")
     ap.add_argument("--max-prompts", type=int, default=DEFAULT["max_prompts"],
                     help="prompts to use at most")
@@ -74,7 +74,7 @@ def parse_args(argv):
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="compute and weight dtype")
     ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
-    ap.add_argument("--report", default=None, metavar="JSON", type=path_arg,
+    add_output(ap, "--report", default=None, metavar="JSON",
                     help="also write every measured setting (predicted vs measured), the best "
                     "predicted setting per exit subset and gamma, per-exit acceptance and the "
                     "round costs to this file")

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import sys
 
-from infer.args import (ArgumentParser, check_at_least, check_output_path, check_sampling,
-                        finite_number, parse_floats, parse_ints, path_arg)
+from infer.args import (ArgumentParser, add_input, add_output, check_at_least,
+                        check_sampling, finite_number, parse_floats,
+                        parse_ints)
 from s2d_jax.errors import S2DError, cli_main
 
 from s2d_jax.decode.defaults import METHODS
@@ -26,9 +27,9 @@ COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.chat", description=__doc__)
-    ap.add_argument("--target", required=True, type=path_arg,
+    add_input(ap, "--target", required=True,
                     help="target model: HF dir, params checkpoint or .gguf")
-    ap.add_argument("--draft", default=None, type=path_arg,
+    add_input(ap, "--draft", default=None,
                     help="draft model (needed by sd and s2d)")
     ap.add_argument("--method", default="s2d", choices=METHODS,
                     help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
@@ -52,10 +53,10 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="compute and weight dtype (default: as stored)")
-    ap.add_argument("--script", default=None, metavar="FILE", type=path_arg,
+    add_input(ap, "--script", default=None, metavar="FILE",
                     help="read the turns and commands from FILE, one per line, instead of "
                     "the terminal")
-    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
+    add_output(ap, "--out", default=None, metavar="FILE.jsonl",
                     help="also write one JSON line per answered turn (default: print only)")
     return ap.parse_args(argv)
 
@@ -69,8 +70,6 @@ def check_args(args) -> list[str] | None:
         raise S2DError("method self needs --exit (how many target layers draft)")
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_at_least(args, {"max_new_tokens": 1, "gamma": 1, "exit": 1})
-    if args.out:
-        check_output_path(args.out)
     if args.script is None:
         return None
     from s2d_jax.readers import read_text
@@ -107,8 +106,24 @@ def turns_from(script: list[str] | None):
         except EOFError:
             print()
             return
+        except UnicodeDecodeError:
+            line = "\udcff"  # stdin decodes strictly: the same note as below
+        if line and not _is_text(line):
+            print("that line holds bytes that are not UTF-8 text (is the terminal set to "
+                  "another encoding?); type it again", file=sys.stderr, flush=True)
+            continue
         if line:
             yield line
+
+
+def _is_text(line: str) -> bool:
+    """Whether a line read from the terminal is text: stdin under a C/POSIX locale keeps
+    undecodable bytes as lone surrogates, which no tokenizer takes."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def run_session(chat, lines, scripted: bool) -> list[dict]:

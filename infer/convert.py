@@ -25,13 +25,13 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser, check_output_path, finite_number, path_arg
+from infer.args import ArgumentParser, add_input, add_output, finite_number
 from s2d_jax.io.orbax_params import restore_params, save_params
 from s2d_jax.io.tokenizer import TOKENIZER_FILES, has_tokenizer
 from s2d_jax.config import DTYPES
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.hf import export_hf, load_hf
-from s2d_jax.io.outputs import CHECKPOINT, DRAFT_PACK, HF_DIR, Output, check_outputs
+from s2d_jax.io.outputs import CHECKPOINT, DRAFT_PACK, HF_DIR
 
 # what each command writes at --out (--overwrite replaces only an earlier output of its kind)
 OUTPUT_KIND = {"hf-to-orbax": CHECKPOINT, "gguf-to-orbax": CHECKPOINT, "orbax-to-hf": HF_DIR,
@@ -44,15 +44,16 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(sp, src_help, out_help):
-        sp.add_argument("--src", required=True, type=path_arg, help=src_help)
-        sp.add_argument("--out", required=True, type=path_arg, help=out_help)
+        add_input(sp, "--src", required=True, help=src_help)
+        add_output(sp, "--out", kind=OUTPUT_KIND[sp.prog.split()[-1]], overwrite="overwrite",
+                   required=True, help=out_help)
         sp.add_argument("--num-layers", type=int, default=None, metavar="N",
                         help="keep only the first N decoder layers (initialise a draft)")
         sp.add_argument("--dtype", choices=DTYPES, default=None,
                         help="cast all weights to this dtype (default: keep the stored dtype)")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace --out if it exists (only once the new output is complete)")
-        sp.add_argument("--tokenizer", default=None, metavar="DIR", type=path_arg,
+        add_input(sp, "--tokenizer", default=None, metavar="DIR",
                         help=f"copy tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
                              f"from DIR into --out (default: those found in --src)")
 
@@ -88,10 +89,11 @@ def _parser() -> argparse.ArgumentParser:
                        ("unpack-draft", "draft pack -> complete HF model dir")):
         sp = sub.add_parser(name, help=what, description=what + "; --target is the model "
                             "whose embedding (and head) the draft shares.")
-        sp.add_argument("--src", required=True, type=path_arg, help="the draft")
-        sp.add_argument("--target", required=True, type=path_arg,
+        add_input(sp, "--src", required=True, help="the draft")
+        add_input(sp, "--target", required=True,
                         help="its target (dir or .gguf)")
-        sp.add_argument("--out", required=True, type=path_arg, help="output directory")
+        add_output(sp, "--out", kind=OUTPUT_KIND[name], overwrite="overwrite", required=True,
+                   help="output directory")
         sp.add_argument("--overwrite", action="store_true",
                         help="replace --out if it exists (only once the new output is complete)")
         if name == "pack-draft":
@@ -114,10 +116,6 @@ def main(argv=None) -> int:
         raise S2DError(f"--target {args.target!r} does not exist; pass the draft's target "
                        f"(model dir or .gguf file)")
     tokenizer_dir = getattr(args, "tokenizer", None)
-    check_outputs([Output("--out", args.out, OUTPUT_KIND[args.command], args.overwrite)],
-                  {"--src": args.src, "--target": getattr(args, "target", None),
-                   "--tokenizer": tokenizer_dir})
-    check_output_path(args.out, is_dir=True)
     if tokenizer_dir is not None and not os.path.isdir(tokenizer_dir):
         raise S2DError(f"--tokenizer {tokenizer_dir} is not a directory")
     if tokenizer_dir is None and not from_gguf and has_tokenizer(args.src):

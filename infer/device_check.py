@@ -33,10 +33,12 @@ import json
 import os
 import time
 
-from infer.args import ArgumentParser, finite_number, parse_targets, path_arg
+from infer.args import ArgumentParser, add_output, finite_number, parse_targets
+from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import DIR
 
-SMOLLM2 = os.path.expanduser("~/.cache/s2d-jax/SmolLM2-135M-Instruct")
+
 SHAPES = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
           "vicuna-13b": "configs/models/vicuna-13b-v1.5.yaml"}
 DRAFT_SHAPE, DRAFT_EXITS = "configs/models/vicuna-7b-v1.5.yaml", (6, 9, 12)
@@ -48,7 +50,7 @@ GAMMA, WINDOWS = {False: 4, True: 1}, {False: 8, True: 2}
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.device_check", description=__doc__)
-    p.add_argument("--out", required=True, type=path_arg, help="output directory")
+    add_output(p, "--out", kind=DIR, required=True, help="output directory")
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a CPU (tiny sizes: a smoke test, not a measurement)")
     p.add_argument("--paper-mat", default=None, metavar="vicuna-7b=L,vicuna-13b=L",
@@ -189,9 +191,9 @@ def check_smollm2(args, res: Results, tiny: bool) -> None:
                    template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1,
                    sd_exits="deepest")
     else:
-        if not os.path.isdir(SMOLLM2):
-            raise S2DError(f"{SMOLLM2} is missing; run python -m infer.fetch_smollm2 first")
-        target, draft = SMOLLM2, "models/smollm2-draft"
+        if not os.path.isdir(smollm2_dir()):
+            raise S2DError(f"{smollm2_dir()} is missing; run python -m infer.fetch_smollm2 first")
+        target, draft = smollm2_dir(), "models/smollm2-draft"
         run = dict(questions="data/spec_bench_question.jsonl", max_prompts=24,
                    max_new_tokens=128, template="auto", kinds=["ar", "sd", "s2d", "s2d-cal"],
                    temps=[0.0, 1.0], cost_every=8)
@@ -321,6 +323,12 @@ def main(argv=None):
                        "the tiny smoke test")
     device = f"{dev.device_kind} ({dev.platform}, {len(jax.devices())} device(s))"
     print(f"device: {device}", flush=True)
+    from s2d_jax.io.atomic import files_dir
+    with files_dir(args.out, args.s2d_prog):  # marked as this tool's; no empty dir on failure
+        return _run(args, device, tiny, paper_mat)
+
+
+def _run(args, device: str, tiny: bool, paper_mat: dict) -> int:
     res = Results(args.out, device)
     res.save()
     t0 = time.perf_counter()
@@ -339,7 +347,7 @@ def check_training(args, res: Results, tiny: bool) -> None:
     """(c): the draft's SoFT for --train-minutes on the device (s2d_jax/bench/device_train.py)."""
     from s2d_jax.bench.device_train import train_for
     target, heldout = (("models/demo/target-s", "data/demo_questions.jsonl") if tiny else
-                       (SMOLLM2, "data/smollm2_calibration.jsonl"))
+                       (smollm2_dir(), "data/smollm2_calibration.jsonl"))
     res.data["train"] = train_for(target, args.train_minutes, heldout, tiny,
                                   lambda m: print(m, flush=True))
     res.save()

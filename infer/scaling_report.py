@@ -15,25 +15,21 @@ from __future__ import annotations
 
 import os
 
-from infer.args import ArgumentParser, check_output_path, parse_floats, path_arg
+from infer.args import ArgumentParser, add_input, add_output, parse_floats
 from s2d_jax.errors import S2DError, cli_main
-from s2d_jax.io.outputs import DIR, Output, check_outputs
+from s2d_jax.io.outputs import DIR
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.scaling_report", description=__doc__)
-    ap.add_argument("--points", required=True, type=path_arg, help="the study's points (JSON lines)")
-    ap.add_argument("--out", required=True, type=path_arg, help="report dir (table.md, fits.json, scaling.png)")
+    add_input(ap, "--points", required=True, help="the study's points (JSON lines)")
+    add_output(ap, "--out", kind=DIR, required=True, help="report dir (table.md, fits.json, scaling.png)")
     ap.add_argument("--levels", default="0.35,0.45",
                     help="agreement levels to predict the needed tokens for")
     args = ap.parse_args(argv)
     args.levels = parse_floats(args.levels, "--levels", nonempty=True)
     if not all(0 < v < 1 for v in args.levels):
         raise S2DError(f"--levels must lie in (0, 1), got {args.levels}")
-    check_outputs([Output("--out", args.out, DIR)], {"--points": args.points})
-    check_output_path(args.out, is_dir=True)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise S2DError(f"--out {args.out} is a file; pass a directory for the report")
     return args
 
 
@@ -41,8 +37,11 @@ def parse_args(argv):
 def main(argv=None):
     from s2d_jax.bench.scaling import read_points, write_report
 
+    from s2d_jax.io.atomic import files_dir
     args = parse_args(argv)
-    lines, wrote = write_report(read_points(args.points), args.out, tuple(args.levels))
+    points = read_points(args.points)
+    with files_dir(args.out, args.s2d_prog):
+        lines, wrote = write_report(points, args.out, tuple(args.levels))
     print("\n".join(lines))
     print(wrote)
     return 0

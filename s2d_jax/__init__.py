@@ -66,7 +66,11 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     keep a `Chat` for a conversation or repeated use.
     """
     from s2d_jax.decode.chat import Chat
+    from s2d_jax.errors import S2DError
 
+    if not isinstance(prompt, (str, list, tuple)):
+        raise S2DError(f"prompt must be a string or a list of chat messages, got "
+                       f"{type(prompt).__name__}")
     chat = Chat(target, draft, method=method, chat_template=chat_template, gamma=gamma,
                 thresholds=thresholds, exit=exit, exits=exits, dtype=dtype,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -81,10 +85,19 @@ def train_soft(config, overrides=(), *, devices=None, progress: bool = False) ->
     YAML path). devices: those of the mesh (default all; their count = the mesh's size).
     Returns the loop's summary (e.g. "history": per-step metrics).
     """
+    from s2d_jax import validate
     from s2d_jax.errors import S2DError
     from s2d_jax.train.config import TrainConfig, load_train_config
     from s2d_jax.train.loop import train
 
+    overrides = validate.strings_list(overrides, "overrides")
+    validate.switch(progress, "progress")
+    if devices is not None and (isinstance(devices, (str, bytes))
+                                or not hasattr(devices, "__iter__")):
+        raise S2DError(f"devices must be a list of jax devices (or None), got "
+                       f"{type(devices).__name__}")
+    if not isinstance(config, TrainConfig):
+        config = validate.path(config, "config")
     if isinstance(config, TrainConfig):
         if overrides:
             raise S2DError("overrides apply to a YAML path; pass the TrainConfig already "

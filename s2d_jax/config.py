@@ -181,10 +181,13 @@ class ModelConfig:
 
 def normalize_dtype(dtype) -> str:
     """'bfloat16' / jnp.bfloat16 / np.float32 ... -> one of DTYPES, else S2DError."""
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = str(dtype)
+    if isinstance(dtype, bool) or isinstance(dtype, (int, float)):
+        name = None  # np.dtype(0) is a float64 by accident, not a choice
+    else:
+        try:  # numpy parses strings as dtype specs: "," is a SyntaxError there
+            name = np.dtype(dtype).name
+        except Exception:
+            name = None
     if name not in DTYPES:
         raise S2DError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return name

@@ -17,17 +17,17 @@ takes (s2d_jax/train/throughput.py):
 
 from __future__ import annotations
 
-from infer.args import ArgumentParser, add_fake_devices_flag, fake_cpu_devices, finite_number, \
-    path_arg
+from infer.args import (ArgumentParser, add_fake_devices_flag, add_input, fake_cpu_devices,
+                        finite_number)
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.train.throughput import ACCELERATORS
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m train.aot", description=__doc__)
-    p.add_argument("--config", required=True, type=path_arg,
+    add_input(p, "--config", required=True,
                    help="training YAML (configs/train/*.yaml)")
-    p.add_argument("--target", default=None, type=path_arg,
+    add_input(p, "--target", default=None,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
     add_fake_devices_flag(p)
     p.add_argument("--throughput", choices=sorted(ACCELERATORS), default=None,

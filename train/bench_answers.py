@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from infer.args import ArgumentParser, parse_ints, path_arg
+from infer.args import ArgumentParser, add_input, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -31,7 +31,7 @@ def throughput(decoder, tok, prompts, batch_size: int, max_new_tokens: int) -> f
 @cli_main
 def main(argv=None):
     ap = ArgumentParser(prog="python -m train.bench_answers", description=__doc__)
-    ap.add_argument("--target", required=True, type=path_arg, help="the target's HF dir")
+    add_input(ap, "--target", required=True, help="the target's HF dir")
     ap.add_argument("--batch-sizes", default="8,16,32", help="batch sizes to time")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
     args = ap.parse_args(argv)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from infer.args import ArgumentParser, check_at_least, parse_ints, path_arg
+from infer.args import ArgumentParser, add_input, check_at_least, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m train.bench_step", description=__doc__)
-    p.add_argument("--model", default=None, type=path_arg,
+    add_input(p, "--model", default=None,
                    help="model YAML (default: 12-layer CPU proxy)")
     p.add_argument("--exits", default="6,9,12", help="comma-separated exits, e.g. 6,9,12")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")

@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 import os
 
-from infer.args import ArgumentParser, check_at_least, path_arg
+from infer.args import (ArgumentParser, add_input, add_output, check_at_least,
+                        comma_paths)
+from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import DIR
 
-DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
-                              "SmolLM2-135M-Instruct")
 # SmolLM2-135M's answers on the shared 2-core CPU (python -m train.bench_answers, answer
 # tokens/s at batch 8 / 16 / 32): 62.5 / 60.1 / 76.4 with 64-token answers, 58.7 / 45.8 /
 # 41.1 with 32-token ones (the larger batch pays off on longer answers; answers run to
@@ -41,18 +42,14 @@ ENGINE_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "dat
                "checkpoint.dir", "metrics_path", "export_dir", "export_overwrite")
 
 
-def _files(text: str) -> tuple[str, ...]:
-    return tuple(p for p in text.split(",") if p)
-
-
 def parse_args(argv):
     from s2d_jax.data.prompt_pool import DOCUMENT_FILES, TRAINING_FILES
     ap = ArgumentParser(prog="python -m train.data_engine", description=__doc__)
-    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg,
+    add_input(ap, "--target", default=smollm2_dir(),
                     help="the target's HF dir")
-    ap.add_argument("--work", required=True, type=path_arg,
+    add_output(ap, "--work", kind=DIR, required=True,
                     help="where the stages write (e.g. ~/.cache/s2d-jax/engine/smollm2)")
-    ap.add_argument("--prompts", default=",".join(TRAINING_FILES),
+    add_input(ap, "--prompts", type=str, paths=comma_paths, default=",".join(TRAINING_FILES),
                     help="comma-separated prompt files (GSM8K / self-instruct / ShareGPT)")
     ap.add_argument("--magpie", type=int, default=0, help="user turns the target writes")
     ap.add_argument("--answers", type=int, default=0,
@@ -62,23 +59,23 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
     ap.add_argument("--references", type=int, default=1000,
                     help="GSM8K-train reference solutions teacher-forced (0 = none)")
-    ap.add_argument("--documents", default=",".join(DOCUMENT_FILES),
+    add_input(ap, "--documents", type=str, paths=comma_paths, default=",".join(DOCUMENT_FILES),
                     help="comma-separated plain-text corpora teacher-forced ('' = none)")
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="tokens per supervision row (documents are cut into windows)")
     ap.add_argument("--teacher-shard", type=int, default=64,
                     help="supervision items per teacher shard (the unit a rerun resumes at)")
-    ap.add_argument("--heldout", default=HELDOUT, type=path_arg,
+    add_input(ap, "--heldout", default=HELDOUT,
                     help="held-out questions (Spec-Bench format), kept out of training")
     ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts scored")
     ap.add_argument("--heldout-every", type=int, default=100,
                     help="training steps between held-out measurements")
-    ap.add_argument("--train", type=path_arg, default=None,
+    add_input(ap, "--train", default=None,
                     help="a SoFT config (configs/train/engine_*.yaml): train from the cache")
     ap.add_argument("--seed", type=int, default=0, help="prompt draw and sampling seed")
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the --train config")
     args = ap.parse_args(argv)
-    args.prompts, args.documents = _files(args.prompts), _files(args.documents)
+    args.prompts, args.documents = comma_paths(args.prompts), comma_paths(args.documents)
     check_at_least(args, {"magpie": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
                           "references": 0, "max_tokens": 2, "teacher_shard": 1, "heldout_prompts": 1,
                           "heldout_every": 1, "seed": 0})
@@ -95,11 +92,6 @@ def parse_args(argv):
             args.train))):
         if not os.path.isfile(path):
             raise S2DError(f"{path} does not exist; check the path")
-    from s2d_jax.io.outputs import DIR, Output, check_outputs
-    check_outputs([Output("--work", args.work, DIR)],
-                  {"--target": args.target, "--prompts": list(args.prompts),
-                   "--documents": list(args.documents), "--heldout": args.heldout,
-                   "--train": args.train})
     return args
 
 
@@ -186,13 +178,14 @@ def summary(work: str) -> dict:
 
 @cli_main
 def main(argv=None):
+    from s2d_jax.io.atomic import files_dir
     args = parse_args(argv)
-    os.makedirs(args.work, exist_ok=True)
 
     def log(msg):
         print(msg, flush=True)
 
-    rows, teacher = build_data(args, log)
+    with files_dir(args.work, args.s2d_prog):
+        rows, teacher = build_data(args, log)
     log(f"[engine] {json.dumps(summary(args.work))}")
     if args.train:
         train_from_cache(args, rows, teacher, log)

@@ -25,12 +25,12 @@ import os
 import re
 import time
 
-from infer.args import ArgumentParser, check_at_least, finite_number, parse_floats, parse_ints, \
-    path_arg
+from infer.args import (ArgumentParser, add_input, add_output, check_at_least, comma_paths,
+                        finite_number, parse_floats, parse_ints)
+from s2d_jax.env import cache_root, smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import DIR
 
-CACHE = os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax")
-DEFAULT_TARGET = os.path.join(CACHE, "SmolLM2-135M-Instruct")
 HELDOUT = "data/smollm2_calibration.jsonl"
 CONFIG = "configs/train/scaling_study.yaml"
 # 10x for both kinds up to the ~0.91M tokens of teacher-forced text the sources hold at
@@ -60,19 +60,19 @@ def parse_args(argv):
     from s2d_jax.data.prompt_pool import DOCUMENT_FILES
     from s2d_jax.data.study_data import KINDS
     ap = ArgumentParser(prog="python -m train.scaling_study", description=__doc__)
-    ap.add_argument("--engine", required=True, type=path_arg, help="a data engine's --work dir")
-    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg, help="the target's HF dir")
+    add_input(ap, "--engine", required=True, help="a data engine's --work dir")
+    add_input(ap, "--target", default=smollm2_dir(), help="the target's HF dir")
     ap.add_argument("--budgets", default=BUDGETS, help="unique supervised tokens per point")
     ap.add_argument("--shapes", default="4,8", help="draft depths (the target's first N layers)")
     ap.add_argument("--exit-step", type=int, default=2, help="an exit every this many layers")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"supervision kinds, of {KINDS}")
-    ap.add_argument("--out", default=None, type=path_arg,
-                    help=f"study dir (default {CACHE}/scaling/NAME, NAME the engine dir's name)")
-    ap.add_argument("--heldout", default=HELDOUT, type=path_arg,
+    add_output(ap, "--out", kind=DIR, default=None,
+                    help="study dir (default $S2D_JAX_CACHE/scaling/NAME, NAME the engine dir's name)")
+    add_input(ap, "--heldout", default=HELDOUT,
                     help="held-out questions (Spec-Bench format; the engine keeps them out of training)")
     ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts scored")
-    ap.add_argument("--config", default=CONFIG, type=path_arg, help="the training recipe")
-    ap.add_argument("--documents", default=",".join(DOCUMENT_FILES),
+    add_input(ap, "--config", default=CONFIG, help="the training recipe")
+    add_input(ap, "--documents", type=str, paths=comma_paths, default=",".join(DOCUMENT_FILES),
                     help="comma-separated plain-text corpora for teacher_forced points")
     ap.add_argument("--head-vocab", type=int, default=4096,
                     help="the draft head's sub-vocabulary (0 = the full vocabulary)")
@@ -92,7 +92,7 @@ def check_args(args, kinds):
     args.shapes = sorted(set(parse_ints(args.shapes, "--shapes", minimum=1)))
     args.kinds = [k for k in args.kinds.split(",") if k]
     args.levels = parse_floats(args.levels, "--levels", nonempty=True)
-    args.documents = tuple(p for p in args.documents.split(",") if p)
+    args.documents = comma_paths(args.documents)
     bad = [k for k in args.kinds if k not in kinds] or ([""] if not args.kinds else [])
     if bad:
         raise S2DError(f"--kinds: {bad[0]!r} is not one of {list(kinds)}")
@@ -115,7 +115,7 @@ def check_inputs(args) -> None:
     """Every input exists and fits: the engine dir, its target, the shapes, the recipe."""
     from s2d_jax.config import read_hf_config
     from s2d_jax.data.study_data import check_engine_dir
-    from s2d_jax.io.outputs import DIR, Output, check_outputs
+    from s2d_jax.io.outputs import Output, check_outputs
     from s2d_jax.train.config import load_train_config
     if not os.path.isdir(args.target):
         raise S2DError(f"target {args.target} does not exist; fetch it with "
@@ -133,8 +133,8 @@ def check_inputs(args) -> None:
     args.row_tokens = tc.data.seq_len + 1  # what the trainer keeps of a row
     check_fingerprint(args.engine, args.target)
     name = os.path.basename(os.path.normpath(args.engine))
-    args.out = args.out or os.path.expanduser(os.path.join(CACHE, "scaling", name))
-    check_outputs([Output("--out", args.out, DIR)],
+    args.out = args.out or os.path.join(cache_root(), "scaling", name)
+    check_outputs([Output("--out", args.out, DIR, owner=args.s2d_prog)],
                   {"--engine": args.engine, "--target": args.target, "--heldout": args.heldout,
                    "--config": args.config, "--documents": list(args.documents)})
 
@@ -152,10 +152,15 @@ def check_fingerprint(engine: str, target: str) -> None:
 
 @cli_main
 def main(argv=None):
+    from s2d_jax.io.atomic import files_dir
+    args = parse_args(argv)
+    with files_dir(args.out, args.s2d_prog):  # a failed first run leaves no empty --out
+        return _run(args)
+
+
+def _run(args) -> int:
     from s2d_jax.bench.study import Study, StudyPoint, exits_for, run_study
     from s2d_jax.data.overlap import EVAL_FILES
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
 
     def log(msg):  # timed: a days-long log says how long each stage took
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {msg}", flush=True)

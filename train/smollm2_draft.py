@@ -31,11 +31,11 @@ import json
 import os
 import shlex
 
-from infer.args import ArgumentParser, finite_number, parse_ints, path_arg
+from infer.args import ArgumentParser, add_input, add_output, finite_number, parse_ints
+from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import DIR, DRAFT_PACK
 
-DEFAULT_TARGET = os.path.join(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax"),
-                              "SmolLM2-135M-Instruct")
 # Distillation on the target's whole distribution: at this CPU budget (300 steps) it
 # measured no better than the answer tokens alone (docs/results.md), so it stays off.
 KD_WEIGHT = 0.0
@@ -52,12 +52,12 @@ PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.js
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__)
-    ap.add_argument("--target", default=DEFAULT_TARGET, type=path_arg,
+    add_input(ap, "--target", default=smollm2_dir(),
                     help="the target's HF dir (fetched "
                     "by python -m infer.fetch_smollm2)")
-    ap.add_argument("--work", default="runs/smollm2_draft", type=path_arg,
+    add_output(ap, "--work", kind=DIR, default="runs/smollm2_draft",
                     help="data, checkpoints, logs")
-    ap.add_argument("--out", default="models/smollm2-draft", type=path_arg,
+    add_output(ap, "--out", kind=DRAFT_PACK, overwrite="overwrite", default="models/smollm2-draft",
                     help="the draft pack to write")
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
@@ -88,8 +88,8 @@ def parse_args(argv):
     for name in ("distill_batches", "steps", "head_vocab"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    from s2d_jax.io.outputs import DIR, DRAFT_PACK, HF_DIR, Output, check_outputs
-    check_outputs([Output("--work", args.work, DIR),
+    from s2d_jax.io.outputs import HF_DIR, Output, check_outputs
+    check_outputs([Output("--work", args.work, DIR, owner=args.s2d_prog),
                    Output("--out", args.out, DRAFT_PACK, args.overwrite),
                    Output("--work's trained draft", draft_hf_dir(args), HF_DIR, True)],
                   {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
@@ -234,9 +234,13 @@ def calibrate(args, log) -> None:
 
 @cli_main
 def main(argv=None):
+    from s2d_jax.io.atomic import files_dir
     args = parse_args(argv)
-    os.makedirs(args.work, exist_ok=True)
+    with files_dir(args.work, args.s2d_prog):
+        _run(args)
 
+
+def _run(args) -> None:
     def log(msg):
         print(msg, flush=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from infer.args import ArgumentParser, check_output_path, path_arg
+from infer.args import ArgumentParser, add_input
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -38,27 +38,12 @@ def check_train_outputs(tc, config: str) -> None:
         {"--config": config_files(config), "model.path": tc.model.path,
          "data.paths": list(tc.data.paths), "data.tokenizer": tc.data.tokenizer,
          "data.teacher": tc.data.teacher, "draft.head_vocab": tc.draft.head_vocab})
-    check_writable(tc)
-
-
-def check_writable(tc) -> None:
-    """Fail before any compiling when an output cannot be written (a metrics file that is a
-    directory, a checkpoint dir under a file or read-only: orbax's OSError otherwise)."""
-    if tc.metrics_path:
-        check_output_path(tc.metrics_path, "metrics_path")
-    path = tc.checkpoint.dir
-    if path:
-        check_output_path(path, "checkpoint.dir", is_dir=True)
-        if os.path.exists(path) and not (os.path.isdir(path) and
-                                         os.access(path, os.W_OK | os.X_OK)):
-            raise S2DError(f"checkpoint.dir {path} is not a writable directory; choose "
-                           f"another path")
 
 
 @cli_main
 def main(argv=None):
     p = ArgumentParser(prog="python -m train.soft", description=__doc__)
-    p.add_argument("--config", required=True, type=path_arg,
+    add_input(p, "--config", required=True,
                    help="training YAML (configs/train/*.yaml)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")

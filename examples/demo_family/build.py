@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from infer.args import ArgumentParser, check_output_path
+from infer.args import ArgumentParser, add_input, add_output
+from s2d_jax.io.outputs import CACHE, FILE
 from s2d_jax.errors import cli_main
 
 
@@ -26,24 +27,25 @@ def main(argv=None):
 
     p = ArgumentParser(prog="python -m examples.demo_family.build", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output dir of the HF model dirs (models/demo)")
+    # a dir of model dirs, each replaced whole (--overwrite) by the stage that writes it
+    add_output(p, "--out", kind=CACHE, required=True,
+               help="output dir of the HF model dirs (models/demo)")
     p.add_argument("--stage", choices=STAGES, default="all")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     p.add_argument("--sizes", default="s,m,l",
                    help="targets the targets stage trains (e.g. s,m after changing their "
                         "configs; the other stages use all three)")
     p.add_argument("--smoke", action="store_true", help="tiny, fast run of the whole pipeline")
-    p.add_argument("--run-dir", default=None,
+    add_output(p, "--run-dir", kind=CACHE, default=None,
                    help="scratch dir (default runs/demo_family, or <out>/run with --smoke)")
-    p.add_argument("--corpus", default="data/tinyshakespeare.txt")
-    p.add_argument("--questions", default=None,
+    add_input(p, "--corpus", default="data/tinyshakespeare.txt")
+    add_output(p, "--questions", kind=FILE, default=None,
                    help="prompt file to write (default data/demo_questions.jsonl, or "
                         "<run-dir>/demo_questions.jsonl with --smoke)")
-    p.add_argument("--configs", default="configs", help="dir holding models/ and train/")
+    add_input(p, "--configs", default="configs", help="dir holding models/ and train/")
     args = p.parse_args(argv)
 
     import os
-    check_output_path(args.out, is_dir=True)
     run_dir = args.run_dir if args.run_dir is not None else (
         os.path.join(args.out, "run") if args.smoke else os.path.join("runs", "demo_family"))
     questions = args.questions if args.questions is not None else (

@@ -79,6 +79,11 @@ def _pow10(x: float) -> float:
 
 def check_point(p: Point, where: str) -> Point:
     """A point read from a file gets the checks a flag would."""
+    if not (isinstance(p.shape, str) and p.shape.strip()):
+        raise S2DError(f"{where}: shape must be a non-empty string such as '4 layers', got "
+                       f"{p.shape!r}")
+    if p.exit < 1:
+        raise S2DError(f"{where}: exit must be >= 1, got {p.exit}")
     if p.kind not in KINDS:
         raise S2DError(f"{where}: kind {p.kind!r} is not one of {list(KINDS)}")
     if not (isinstance(p.tokens, int) and p.tokens > 0):
@@ -124,10 +129,19 @@ def fit_log_linear(points: list[Point]) -> Fit:
     x = np.log10([p.tokens for p in points])
     y = np.array([p.agreement for p in points])
     paired = point_covariance(points)
-    C = np.diag(np.array([p.se for p in points]) ** 2) if paired is None else paired
-    W = np.linalg.pinv(C)  # pinv: two identical drafts give a singular covariance
     X = np.stack([np.ones_like(x), x], axis=1)
-    cov = np.linalg.inv(X.T @ W @ X)
+    cov = W = None
+    if paired is not None:
+        W = np.linalg.pinv(paired)  # pinv: two identical drafts give a singular covariance
+        try:  # a few held-out prompts cannot weigh many points: singular, use their s.e.
+            cov = np.linalg.inv(X.T @ W @ X)
+        except np.linalg.LinAlgError:
+            paired = None
+        if cov is not None and not np.all(np.isfinite(cov)):
+            paired = None
+    if paired is None:
+        W = np.diag(1.0 / np.array([p.se for p in points]) ** 2)
+        cov = np.linalg.inv(X.T @ W @ X)
     a, b = cov @ X.T @ W @ y
     dof = len(points) - 2
     r = y - a - b * x

@@ -36,29 +36,45 @@ def _jsonl(path: str) -> list[dict]:
     return rows
 
 
-def _self_instruct(row: dict) -> str:
+def _text(row, key: str, where: str) -> str:
+    """row[key] as stripped text, or one error naming the line and the key."""
+    value = row.get(key) if isinstance(row, dict) else None
+    if not isinstance(value, str):
+        raise S2DError(f"{where} has no text {key!r} (every row of this file needs one, as "
+                       f"its first row has); fix the row or remove it")
+    return value.strip()
+
+
+def _self_instruct(row: dict, where: str) -> str:
     """The instruction, with its first instance's input when it has one."""
-    inst = (row.get("instances") or [{}])[0].get("input", "").strip()
-    return row["instruction"].strip() + (f"\n\n{inst}" if inst else "")
+    instances = row.get("instances") or [{}]
+    first = instances[0] if isinstance(instances, list) and instances else {}
+    inst = first.get("input", "") if isinstance(first, dict) else ""
+    inst = inst.strip() if isinstance(inst, str) else ""
+    return _text(row, "instruction", where) + (f"\n\n{inst}" if inst else "")
 
 
 def prompts_from_file(path: str) -> list[str]:
     """Training prompts of one file, by its kind: GSM8K (`question`), self-instruct
     (`instruction` + first instance input), ShareGPT (every human turn that opens a
-    conversation)."""
+    conversation). The kind is read from the first row; a later row without its field is
+    one error naming the line."""
     if path.endswith(".json"):
         from s2d_jax.data.sources import load_records
         out = []
-        for row in load_records(path):
-            turns = row.get("conversations") or []
-            if turns and turns[0].get("from") == "human":
-                out.append(turns[0]["value"].strip())
+        for n, row in enumerate(load_records(path)):
+            turns = row.get("conversations") if isinstance(row, dict) else None
+            first = turns[0] if isinstance(turns, list) and turns else None
+            if isinstance(first, dict) and first.get("from") == "human":
+                out.append(_text(first, "value", f"{path} conversation {n}"))
         return out
     rows = _jsonl(path)
-    if rows and "question" in rows[0]:
-        return [r["question"].strip() for r in rows]
-    if rows and "instruction" in rows[0]:
-        return [_self_instruct(r) for r in rows]
+    first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    if "question" in first:
+        return [_text(r, "question", f"{path}:{n}") for n, r in enumerate(rows, 1)]
+    if "instruction" in first:
+        return [_self_instruct(r if isinstance(r, dict) else {}, f"{path}:{n}")
+                for n, r in enumerate(rows, 1)]
     raise S2DError(f"{path} has neither 'question' (GSM8K) nor 'instruction' (self-instruct) "
                    f"rows nor ShareGPT conversations; give a file of one of those kinds")
 
@@ -78,6 +94,32 @@ def training_prompts(quota: dict[str, int], seed: int = 0, max_chars: int = 1500
         seen.update(chosen)
         out += chosen
     return [out[i] for i in rng.permutation(len(out))]
+
+
+def _prompts_hash(prompts: list[str]) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
+
+
+def _check_plan(out_path: str, done: int, plan: dict) -> None:
+    """Rows already in out_path came from this plan (out_path + ".plan.json", written when
+    the first rows are): appending answers of another length, temperature or prompt set
+    would mix them silently."""
+    from s2d_jax.io.atomic import write_atomic
+    from s2d_jax.readers import read_json
+    path = out_path + ".plan.json"
+    if done:
+        old = read_json(path, "answers plan") if os.path.exists(path) else None
+        if not isinstance(old, dict):
+            raise S2DError(f"{out_path} has {done} rows but no readable {path} saying how they "
+                           f"were made; delete it to start over")
+        for key in plan:
+            if old.get(key) != plan[key]:
+                raise S2DError(f"{out_path} was written with {key} {old.get(key)}, this run asks "
+                               f"for {plan[key]}; rerun with the settings it was written with, "
+                               f"or delete it to start over")
+    else:
+        write_atomic(path, json.dumps(plan, indent=1) + "\n")
 
 
 def _done_rows(path: str) -> int:
@@ -118,6 +160,10 @@ def generate_answers(decoder, tok, prompts: list[str], out_path: str, *,
     picks = np.random.default_rng(seed).permutation(len(batches))
     jobs = [(t, batches[b]) for b in picks[:max_batches] for t in temperatures]
     done = _done_rows(out_path)
+    _check_plan(out_path, done, {"--max-new-tokens": max_new_tokens,
+                                 "temperatures": [float(t) for t in temperatures],
+                                 "batch size": batch_size, "batches": max_batches,
+                                 "seed": seed, "prompts_sha256": _prompts_hash(prompts)})
     ends = np.cumsum([len(r) for _, r in jobs]).tolist()
     if done and done not in ends:
         raise S2DError(f"{out_path} has {done} rows, which does not end a batch of this run; "

@@ -46,6 +46,21 @@ def target_fingerprint(target_dir: str) -> str:
     return hashlib.sha256(joined.encode()).hexdigest()
 
 
+# What each stage records besides its items, target and shard size: every argument that
+# changes the rows it writes (a resume with another value is refused, shards.run_stage).
+def magpie_settings(batch_size: int, seed: int) -> dict:
+    return {"--batch-size": batch_size, "--seed": seed}
+
+
+def answers_settings(max_new_tokens: int, seed: int) -> dict:
+    return {"--max-new-tokens": max_new_tokens, "--seed": seed,
+            "temperatures": list(ANSWER_TEMPERATURES)}
+
+
+def teacher_settings(max_tokens: int, template: str) -> dict:
+    return {"--max-tokens": max_tokens, "chat template": template}
+
+
 def magpie_stage(work: str, fp: str, decoder, tok, count: int, batch_size: int, seed: int,
                  log) -> list[str]:
     """`count` Magpie user turns asked for (fewer come back: cut-off ones are dropped)."""
@@ -58,7 +73,7 @@ def magpie_stage(work: str, fp: str, decoder, tok, count: int, batch_size: int, 
         return [{"prompt": t} for t in turns]
 
     shards.run_stage(os.path.join(work, "magpie"), "magpie", fp, batches, 1, work_fn,
-                     tokens=lambda r: 0, log=log)
+                     tokens=lambda r: 0, log=log, settings=magpie_settings(batch_size, seed))
     return [r["prompt"] for r in shards.read_rows(os.path.join(work, "magpie"))]
 
 
@@ -96,7 +111,8 @@ def answers_stage(work: str, fp: str, decoder, tok, prompts: list[str], batch_si
 
     out = os.path.join(work, "answers")
     shards.run_stage(out, "answers", fp, prompts, batch_size, work_fn,
-                     tokens=lambda r: len(r["input_ids"]) - r["learn_from"], log=log)
+                     tokens=lambda r: len(r["input_ids"]) - r["learn_from"], log=log,
+                     settings=answers_settings(max_new_tokens, seed))
     return shards.read_rows(out)
 
 
@@ -150,7 +166,8 @@ def teacher_stage(work: str, fp: str, items: list[dict], tok, template: str, sta
 
     out = os.path.join(work, "teacher")
     shards.run_stage(out, "teacher", fp, items, shard_size, work_fn,
-                     tokens=lambda r: len(r["input_ids"]) - max(r["learn_from"], 1), log=log)
+                     tokens=lambda r: len(r["input_ids"]) - max(r["learn_from"], 1), log=log,
+                     settings=teacher_settings(max_tokens, template))
     return out
 
 

@@ -55,12 +55,33 @@ def _write_arrays(out_dir: str, k: int, arrays: dict) -> dict:
     return records
 
 
-def _plan(what: str, target: str, items, shard_size: int) -> dict:
+def _plan(what: str, target: str, items, shard_size: int, settings: dict | None) -> dict:
     if shard_size < 1:
         raise S2DError(f"shard size must be >= 1, got {shard_size}")
-    return {"what": what, "target": target, "items": len(items), "items_sha256":
+    plan = {"what": what, "target": target, "items": len(items), "items_sha256":
             items_hash(items), "shard_size": shard_size,
-            "shards": -(-len(items) // shard_size)}
+            "shards": -(-len(items) // shard_size), "settings": settings or {}}
+    return json.loads(json.dumps(plan))  # as a manifest reads back (tuples are lists)
+
+
+def _difference(old, plan: dict) -> str:
+    """What differs between a stored plan and this run's, in the user's words."""
+    if not isinstance(old, dict):
+        return f"its {MANIFEST} has no readable plan"
+    was, now = old.get("settings"), plan["settings"]
+    if isinstance(was, dict):
+        for key in sorted(set(was) | set(now)):
+            if was.get(key) != now.get(key):
+                return (f"it was made with {key} {was.get(key, '(not recorded)')}, this run "
+                        f"asks for {key} {now.get(key, '(none)')}")
+    elif now:
+        return "it records none of the settings this run asks for (made by an older version)"
+    for key, words in (("what", "the stage"), ("target", "the target (its fingerprint)"),
+                       ("items_sha256", "the items (prompts, answers or documents)"),
+                       ("shard_size", "the shard size")):
+        if old.get(key) != plan[key]:
+            return f"{words} differ"
+    return "its plan differs"
 
 
 def _read_manifest(out_dir: str, plan: dict) -> dict:
@@ -70,9 +91,10 @@ def _read_manifest(out_dir: str, plan: dict) -> dict:
     manifest = read_json(path, "stage manifest")
     if (not isinstance(manifest, dict) or manifest.get("plan") != plan
             or not isinstance(manifest.get("done"), dict)):
-        raise S2DError(f"{out_dir} holds shards of another run ({MANIFEST}'s plan differs: "
-                       f"what, target, prompts or shard size); use a new directory or delete "
-                       f"this one")
+        old = manifest.get("plan") if isinstance(manifest, dict) else None
+        raise S2DError(f"{out_dir} holds shards of another run ({_difference(old, plan)}); "
+                       f"rerun with the settings it was made with to resume, or use a new "
+                       f"directory (or delete this one)")
     return manifest
 
 
@@ -92,11 +114,12 @@ def _verified(out_dir: str, k: str, record) -> bool:
 
 
 def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int, work,
-              tokens=lambda row: 0, log=print) -> dict:
+              tokens=lambda row: 0, log=print, settings: dict | None = None) -> dict:
     """Run `work(shard_items, k) -> rows` (JSON-serialisable dicts) or (rows, {name:
     array}) for every shard not yet complete in out_dir; -> the manifest. `tokens(row)`
-    counts a row's supervised tokens."""
-    plan = _plan(what, target, items, shard_size)
+    counts a row's supervised tokens. `settings` {flag: value}: every argument besides the
+    items that changes what `work` writes; a resume with other settings is refused."""
+    plan = _plan(what, target, items, shard_size, settings)
     manifest = _read_manifest(out_dir, plan)
     done = {k: r for k, r in manifest["done"].items() if _verified(out_dir, k, r)}
     todo = [k for k in range(plan["shards"]) if str(k) not in done]

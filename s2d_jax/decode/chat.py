@@ -32,8 +32,11 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     from s2d_jax.io.tokenizer import has_tokenizer, load_tokenizer
     from s2d_jax.readers import expand_path
 
-    if method not in METHODS:
-        raise S2DError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    from s2d_jax import validate
+    from s2d_jax.config import DTYPES
+    target = validate.path(target, "target")
+    draft = validate.path(draft, "draft", optional=True)
+    validate.model_setting(method, METHODS, gamma, thresholds, exit, exits, dtype, DTYPES)
     if method in ("sd", "s2d") and draft is None:
         raise S2DError(f"method {method} needs a draft model; pass draft=PATH (--draft)")
     if method == "self" and not exit:
@@ -76,27 +79,31 @@ class Chat:
                  chat_template: str = "auto", system: str | None = None,
                  gamma: int | None = None, thresholds=None, exit: int | None = None,
                  exits=None, dtype: str | None = None, **decode):
+        from s2d_jax import validate
         from s2d_jax.data.prompts import end_of_turn_id, resolve_template
 
+        validate.choice(chat_template, "chat_template", ("auto", "vicuna", "none"))
+        validate.text(system, "system", optional=True, nonempty=False)
+        self.decode = self._settings(dict(max_new_tokens=128, temperature=0.0, top_k=0,
+                                          top_p=1.0, seed=0), decode)
         self.decoder, self.tokenizer, self.notes = load_decoder(
             target, draft, method=method, gamma=gamma, thresholds=thresholds, exit=exit,
             exits=exits, dtype=dtype)
         self.template, note = resolve_template(self.tokenizer, chat_template, fallback="none")
         self.notes += [note] if note else []
         self.eos_id = end_of_turn_id(self.tokenizer, self.template)
-        self.decode = self._settings(dict(max_new_tokens=128, temperature=0.0, top_k=0,
-                                          top_p=1.0, seed=0), decode)
         self.system = system
         self.messages: list[dict] = []
         self.turns: list[dict] = []  # stats of each answered turn since the last reset
 
     @staticmethod
     def _settings(defaults: dict, overrides: dict) -> dict:
+        from s2d_jax.validate import decode_settings
         unknown = set(overrides) - set(defaults)
         if unknown:
             raise S2DError(f"unknown decoding setting(s) {', '.join(sorted(unknown))}; use "
                            f"{', '.join(defaults)}")
-        return {**defaults, **overrides}
+        return decode_settings(**{**defaults, **overrides})
 
     def reset(self) -> None:
         self.messages, self.turns = [], []
@@ -105,6 +112,8 @@ class Chat:
         """Answer the user's `text` after the conversation so far and keep both turns."""
         if not isinstance(text, str) or not text.strip():
             raise S2DError("a user turn must be non-empty text")
+        from s2d_jax.validate import callable_or_none
+        callable_or_none(on_text, "on_text")
         out = self.answer(self.messages + [{"role": "user", "content": text}], on_text,
                           **decode)
         self.messages += [{"role": "user", "content": text},
@@ -118,7 +127,9 @@ class Chat:
         "stats", "summary" (stats_line)}. on_text(piece) streams the answer round by round."""
         from s2d_jax.data.prompts import messages_ids, reply_text, split_messages
         from s2d_jax.decode.stats_line import stats_line
+        from s2d_jax.validate import callable_or_none
 
+        callable_or_none(on_text, "on_text")
         messages = as_messages(messages)
         split_messages(messages)  # one clear error for a malformed list, before the system's
         if self.system is not None and messages[0]["role"] != "system":
@@ -126,7 +137,7 @@ class Chat:
         ids = messages_ids(self.tokenizer, self.template, messages)
         settings = self._settings(self.decode, decode)
         # a different seed per turn, so sampled turns do not repeat each other's draws
-        settings["seed"] += len(messages) // 2
+        settings["seed"] = (settings["seed"] + len(messages) // 2) % 2**31  # stays int32
         stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
         out, = self.decoder.generate([ids], eos_id=self.eos_id, **settings,
                                      chunk_rounds=1 if stream else 0, on_chunk=stream)

@@ -4,8 +4,7 @@ calibrated s2d_serving.json and a Python call are refused alike."""
 
 from __future__ import annotations
 
-import math
-
+from s2d_jax import validate
 from s2d_jax.errors import S2DError
 
 
@@ -15,10 +14,7 @@ def check_thresholds(thresholds, exits) -> tuple[float, ...]:
     exits = tuple(exits)
     if thresholds is None:
         return (0.0,) * len(exits)
-    try:
-        out = tuple(float(t) for t in thresholds)
-    except (TypeError, ValueError):
-        raise S2DError(f"thresholds must be numbers in [0, 1], got {thresholds!r}") from None
+    out = tuple(validate.numbers_list(thresholds, "thresholds", allow_empty=True))  # "0.5" is not a list
     if len(out) != len(exits):
         raise S2DError(f"got {len(out)} threshold(s) for {len(exits)} exit(s) {exits}; "
                        f"pass one threshold per exit")
@@ -29,10 +25,7 @@ def check_thresholds(thresholds, exits) -> tuple[float, ...]:
 
 def check_stop_threshold(stop) -> float:
     """The dynamic draft length's stop threshold: in [0, 1] (0 = always gamma tokens)."""
-    try:
-        stop = float(stop)
-    except (TypeError, ValueError):
-        stop = math.nan
+    stop = validate.number(stop, "the draft stop threshold")
     if not 0.0 <= stop <= 1.0:
         raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got {stop}")
     return stop

@@ -69,6 +69,27 @@ def build_chain(target_cfg: ModelConfig, *, method: str, draft_cfg: ModelConfig 
         raise S2DError(f"target {name!r}: {e}") from None
 
 
+def _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds, confidence,
+                        kv_fill, name, mus, stop_threshold) -> None:
+    """The Decoder's arguments by the API's one validator (s2d_jax/validate.py)."""
+    from s2d_jax import validate
+    from s2d_jax.decode.defaults import METHODS
+    from s2d_jax.decode.sampling import CONFIDENCE_KINDS
+    from s2d_jax.decode.state import KV_FILL
+    for what, cfg, optional in (("target_cfg", target_cfg, False),
+                                ("draft_cfg", draft_cfg, True)):
+        if not (cfg is None and optional) and not isinstance(cfg, ModelConfig):
+            raise S2DError(f"{what} must be a ModelConfig (s2d_jax.load_model returns one), "
+                           f"got {type(cfg).__name__}")
+    no_exits = isinstance(exits, (tuple, list)) and not exits  # AR's chain: none
+    validate.model_setting(method, METHODS, None, None, None, None if no_exits else exits)
+    validate.integer(gamma, "gamma", 0)  # 0: AR's chain drafts nothing
+    validate.choice(confidence, "confidence", CONFIDENCE_KINDS)
+    validate.choice(kv_fill, "kv_fill", KV_FILL)
+    validate.text(name, "name")
+    validate.integers_list(mus, "mus", 1, optional=True)
+
+
 class Decoder:
     """One target + its draft under one method. Params are used as given (already placed)."""
 
@@ -83,6 +104,8 @@ class Decoder:
         chain (round.py) with accumulation lengths `mus` (default: gamma per level).
         `stop_threshold`: the default dynamic draft length (a row stops drafting after a
         token whose confidence is below it; 0 = always gamma tokens)."""
+        _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds,
+                            confidence, kv_fill, name, mus, stop_threshold)
         if method == "self":
             draft_params, draft_tokenizer = target_params, None
         if method in ("sd", "s2d"):
@@ -168,6 +191,14 @@ class Decoder:
         times the prefill on its own (stats["prefill_seconds"]). The result is identical to
         the single-jit path: keys depend only on the round index.
         """
+        from s2d_jax import validate
+        prompts = validate.token_prompts(prompts)
+        settings = validate.decode_settings(max_new_tokens, temperature, top_k, top_p, seed)
+        max_new_tokens, temperature, top_k, top_p, seed = settings.values()
+        validate.integer(eos_id, "eos_id", -1, optional=True)
+        validate.integer(max_len, "max_len", 1, optional=True)
+        validate.integer(chunk_rounds, "chunk_rounds", 0)
+        validate.callable_or_none(on_chunk, "on_chunk")
         spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
         stop = self.stop_threshold if stop_threshold is None else check_stop_threshold(
             stop_threshold)
@@ -294,8 +325,13 @@ class Engine:
                  draft_params=None, exits: Sequence[int] | None = None, method: str = "s2d",
                  draft_tokenizer=None, confidence: str = "max_prob", kv_fill: str = "calm",
                  mesh=None, intermediates=(), mus=None):
-        if not targets:
-            raise S2DError("no targets given; pass at least one --target")
+        if not isinstance(targets, dict) or not targets:
+            raise S2DError("targets must be a non-empty dict {name: TargetSpec}; pass at least "
+                           "one target")
+        for name, t in targets.items():
+            if not isinstance(name, str) or not isinstance(t, TargetSpec):
+                raise S2DError(f"targets[{name!r}] must be a TargetSpec under a str name, got "
+                               f"{type(t).__name__}")
         self.decoders = {
             name: Decoder(t.cfg, t.params, method=method, draft_cfg=draft_cfg,
                           draft_params=draft_params, exits=exits, gamma=t.gamma,

@@ -15,7 +15,7 @@ import socket
 import tempfile
 
 from s2d_jax.errors import S2DError
-from s2d_jax.io.outputs import check_replaceable, mark_output
+from s2d_jax.io.outputs import DIR as DIR_KIND, check_replaceable, mark_output
 
 
 def current_umask() -> int:
@@ -141,3 +141,37 @@ def atomic_output_dir(out_dir: str, overwrite: bool = False, kind: str = "dir"):
         shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
     else:
         os.rename(tmp, out)
+
+
+@contextlib.contextmanager
+def files_dir(out_dir: str, command: str):
+    """A dir a command writes files into (reports, a stage's shards): created with a marker
+    naming `command` (outputs.check_outputs then lets only this command write into it
+    again); if the block fails and this call created the dir, it goes again when it holds
+    nothing but the marker, so a failed run leaves no empty output behind."""
+    from s2d_jax.io.outputs import MARKER
+    created = []
+    path = os.path.abspath(out_dir)
+    try:
+        while not os.path.exists(path):
+            created.append(path)
+            path = os.path.dirname(path)
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.path.exists(os.path.join(out_dir, MARKER)):
+            mark_output(out_dir, DIR_KIND, command)
+    except OSError as e:
+        raise _cannot_write(out_dir, e) from None
+    try:
+        yield out_dir
+    except BaseException:
+        for d in created:  # deepest first: each only when nothing else was written there
+            try:
+                names = os.listdir(d)
+                if set(names) <= {MARKER}:
+                    for n in names:
+                        os.remove(os.path.join(d, n))
+                    os.rmdir(d)
+            except OSError:
+                break
+        raise
+

@@ -53,7 +53,9 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     (e.g. `model.transformer.param_shardings(cfg, mesh)`); default one local device.
     extra: non-ModelConfig settings such as a draft's `s2d_exits`.
     """
-    path = expand_path(path)
+    from s2d_jax import validate
+    path = expand_path(validate.path(path, "path"))
+    validate.integer(num_layers, "num_layers", 1, optional=True)
     kind = checkpoint_kind(path)
     if kind == "gguf":
         return gguf.load_gguf(path, num_layers, dtype, shardings)

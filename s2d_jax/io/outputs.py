@@ -25,6 +25,7 @@ HF_DIR, CHECKPOINT, DRAFT_PACK = "hf", "checkpoint", "draft-pack"
 KINDS = {HF_DIR: "an HF model dir", CHECKPOINT: "a params checkpoint",
          DRAFT_PACK: "a draft pack", "dir": "an output dir"}
 FILE, DIR = "file", "files-dir"  # a file (replaced freely), a dir files are written into
+CACHE = "cache"  # a dir other runs share too (the fetched models, kernels): place checks only
 
 
 class Output(NamedTuple):
@@ -33,6 +34,9 @@ class Output(NamedTuple):
     kind: str = FILE  # FILE, DIR or a model dir kind of KINDS (replaced only as one)
     overwrite: bool = False
     overwrite_hint: str = "--overwrite"  # how the user asks to replace it
+    # a DIR output's command (e.g. "python -m infer.bench"): an existing non-empty dir is
+    # written into only when its marker names this command ("" = no such check)
+    owner: str = ""
 
 
 def real(path: str) -> str:
@@ -44,19 +48,24 @@ def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def mark_output(out_dir: str, kind: str) -> None:
+def mark_output(out_dir: str, kind: str, command: str = "") -> None:
     with open(os.path.join(out_dir, MARKER), "w") as f:
-        f.write(json.dumps({"written_by": "s2d-jax", "kind": kind}) + "\n")
+        f.write(json.dumps({"written_by": "s2d-jax", "kind": kind,
+                            **({"command": command} if command else {})}) + "\n")
+
+
+def _marker(path: str, field: str) -> str | None:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            value = json.load(f).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def output_kind(path: str) -> str | None:
     """The kind in `path`'s marker, or None when it has none (not written by this project)."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            kind = json.load(f).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return kind if isinstance(kind, str) else None
+    return _marker(path, "kind")
 
 
 def check_replaceable(flag: str, path: str, kind: str, overwrite: bool,
@@ -108,6 +117,8 @@ def _check_against(o: Output, r: str, flag: str, path: str) -> None:
     if r == p:
         relation = "is"
     elif _within(p, r):
+        if o.kind == CACHE:  # a shared dir holds many things; this run writes its own names
+            return
         relation = "contains"
     elif _within(r, p):
         relation = "lies inside"
@@ -115,6 +126,46 @@ def _check_against(o: Output, r: str, flag: str, path: str) -> None:
         return
     raise S2DError(f"{o.flag} {o.path} {relation} the input {flag} {path}; writing it would "
                    f"destroy that input, choose an output path outside every input")
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_room(o: Output, r: str) -> None:
+    """The output can be written: an existing path is of the kind wanted (a file for FILE,
+    a directory otherwise), and the directory it is written in (or its nearest existing
+    ancestor) is a writable directory (os.access: a read-only mount stops root too)."""
+    wants_dir = o.kind != FILE
+    if os.path.exists(r):
+        if wants_dir and not os.path.isdir(r):
+            raise S2DError(f"{o.flag} {o.path} is a file, not a directory; pass a directory "
+                           f"path")
+        if not wants_dir and os.path.isdir(r):
+            raise S2DError(f"{o.flag} {o.path} is a directory; pass a file path")
+        here = r if wants_dir else os.path.dirname(r)
+    else:
+        here = _nearest_existing(os.path.dirname(r))
+        if not os.path.isdir(here):
+            raise S2DError(f"{o.flag} {o.path} cannot be created: {here} is a file, not a "
+                           f"directory; choose another path")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise S2DError(f"{o.flag} {o.path} cannot be written: {here} is not writable; "
+                       f"choose another path")
+
+
+def _check_owner(o: Output, r: str) -> None:
+    """A files-dir output that exists with content was written by this command before
+    (its marker), so no other tool's files there are replaced."""
+    if o.kind != DIR or not o.owner or not os.path.isdir(r) or not os.listdir(r):
+        return
+    found = _marker(r, "command")
+    if found != o.owner:
+        what = f"its {MARKER} names {found}" if found else f"it has no {MARKER}"
+        raise S2DError(f"{o.flag} {o.path} holds files that {o.owner} did not write ({what}); "
+                       f"choose a new or empty directory, or remove it yourself if it may go")
 
 
 def check_outputs(outputs: Iterable[Output], inputs: dict) -> None:
@@ -136,5 +187,7 @@ def check_outputs(outputs: Iterable[Output], inputs: dict) -> None:
                 raise S2DError(f"{o.flag} {o.path} and {other.flag} {other.path} overlap; "
                                f"give each output its own path")
         reals.append((o, r))
+        _check_room(o, r)
+        _check_owner(o, r)
         if o.kind in KINDS:
             check_replaceable(o.flag, o.path, o.kind, o.overwrite, o.overwrite_hint)

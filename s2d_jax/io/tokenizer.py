@@ -123,7 +123,8 @@ class Tokenizer:
 def load_tokenizer(path: str) -> Tokenizer:
     """Load a local tokenizer directory (no hub): Llama `tokenizer.model` or `tokenizer.json`;
     or the tokenizer in a `.gguf` file's metadata."""
-    path = expand_path(os.fspath(path))
+    from s2d_jax import validate
+    path = expand_path(validate.path(path, "path"))
     if path.lower().endswith(".gguf"):  # a llama.cpp model file carries its tokenizer
         from s2d_jax.io.gguf import gguf_tokenizer
         hf = gguf_tokenizer(path)

@@ -66,8 +66,8 @@ class StackedWeight:
 
 
 def _cache_dir() -> str:
-    root = os.path.expanduser(os.path.expandvars(os.environ.get("S2D_JAX_CACHE", "~/.cache/s2d-jax")))
-    return os.path.join(root, "kernels")
+    from s2d_jax.env import cache_root
+    return os.path.join(cache_root(), "kernels")
 
 
 def _cpu_key() -> str:
@@ -91,12 +91,36 @@ def library_path() -> str:
     return os.path.join(_cache_dir(), f"small_matmul-{key}.so")
 
 
+def _checksum_path(lib: str) -> str:
+    return lib + ".sha256"
+
+
+def _intact(lib: str) -> bool:
+    """The library holds the bytes its build recorded: a truncated or half-copied file
+    (an interrupted copy of the cache) would otherwise crash the process with SIGBUS when
+    it is loaded, with no message."""
+    from s2d_jax.readers import sha256_of
+    try:
+        with open(_checksum_path(lib)) as f:
+            want = f.read().strip()
+        return sha256_of(lib) == want
+    except OSError:
+        return False
+
+
 def build(verbose: bool = False) -> str:
     """Compile the kernel (once; later calls find it) -> the shared library's path.
-    Raises RuntimeError with the reason when it cannot be built."""
+    A cached library whose checksum does not match is rebuilt. Raises RuntimeError with the
+    reason when it cannot be built."""
     out = library_path()
     if os.path.exists(out):
-        return out
+        if _intact(out):
+            return out
+        print(f"note: the cached CPU kernel library {out} does not match its checksum "
+              f"(an interrupted copy?); rebuilding it", file=sys.stderr)
+        for path in (out, _checksum_path(out)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
@@ -108,7 +132,13 @@ def build(verbose: bool = False) -> str:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if run.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {run.stderr.strip().splitlines()[-1:] or run.returncode}")
+        from s2d_jax.readers import sha256_of
+        digest = sha256_of(tmp)
         os.replace(tmp, out)  # atomic: a concurrent build finds a whole library or none
+        # the checksum last: a library without one is rebuilt, never trusted
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(out), delete=False) as f:
+            f.write(digest + "\n")
+        os.replace(f.name, _checksum_path(out))
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -121,8 +151,9 @@ def build(verbose: bool = False) -> str:
 def _load() -> str | None:
     """Build and register the FFI targets once; None when the kernel is available, else
     the reason it is not (also printed once, so a user knows which path runs)."""
-    if os.environ.get("S2D_SMALL_MATMUL", "1") == "0":
-        return "disabled by S2D_SMALL_MATMUL=0"
+    from s2d_jax.env import small_matmul_enabled
+    if not small_matmul_enabled():
+        return f"disabled by S2D_SMALL_MATMUL={os.environ['S2D_SMALL_MATMUL']}"
     try:
         lib = ctypes.cdll.LoadLibrary(build())
         for name, symbol in _TARGETS.items():

@@ -109,4 +109,6 @@ def _check_optimizer_ranges(o: OptimizerConfig) -> None:
 
 
 def load_train_config(path: str | None, overrides=()) -> TrainConfig:
-    return load_config(TrainConfig, path, overrides)
+    from s2d_jax import validate
+    return load_config(TrainConfig, validate.path(path, "path", optional=True),
+                       validate.strings_list(overrides, "overrides"))

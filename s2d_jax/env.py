@@ -1,0 +1,57 @@
+"""The environment variables the project reads, each checked like a flag: a bad value is
+one S2DError naming the variable, the problem and the fix, never a silent default or a
+directory created in the wrong place.
+
+    S2D_JAX_CACHE     the cache root (fetched models, the CPU kernels' library, engine and
+                      study dirs by default); unset: ~/.cache/s2d-jax
+    S2D_SMALL_MATMUL  1/on/true/yes (default) or 0/off/false/no: the CPU decode kernels
+"""
+
+from __future__ import annotations
+
+import os
+
+from s2d_jax.errors import S2DError
+from s2d_jax.readers import expand_path
+
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+_ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def cache_root() -> str:
+    """$S2D_JAX_CACHE (with ~ and $VARS expanded) or ~/.cache/s2d-jax, as an absolute path."""
+    raw = os.environ.get("S2D_JAX_CACHE")
+    if raw is None:
+        return os.path.join(os.path.expanduser("~"), ".cache", "s2d-jax")
+    name = f"S2D_JAX_CACHE={raw!r}"
+    if not raw.strip():
+        raise S2DError("S2D_JAX_CACHE is set but empty; unset it (the cache is then "
+                       "~/.cache/s2d-jax) or set it to a directory")
+    path = expand_path(raw.strip())
+    if "$" in path or path.startswith("~"):
+        raise S2DError(f"{name} holds an unexpanded {'$VAR' if '$' in path else '~'}; set it "
+                       f"to a directory path that exists in this environment")
+    if not os.path.isabs(path):
+        raise S2DError(f"{name} is a relative path (the cache would move with the working "
+                       f"directory); set an absolute path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise S2DError(f"{name} is a file, not a directory; set it to a directory")
+    return path
+
+
+def smollm2_dir() -> str:
+    """Where infer.fetch_smollm2 puts the real target's HF dir."""
+    return os.path.join(cache_root(), SMOLLM2_NAME)
+
+
+def small_matmul_enabled() -> bool:
+    raw = os.environ.get("S2D_SMALL_MATMUL")
+    if raw is None:
+        return True
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise S2DError(f"S2D_SMALL_MATMUL={raw!r} is neither on ({'/'.join(_ON)}) nor off "
+                   f"({'/'.join(_OFF)}); unset it to use the CPU kernels, or set 0")

@@ -1,0 +1,108 @@
+"""Every resumable stage records every argument that changes what it writes, and refuses a
+resume that differs (issue 41): one test per stage and argument. The model passes are
+stubbed (their output depends on the arguments as the real ones' does); what is tested is
+the stage's plan: a first run, a resume with the same arguments (accepted, nothing redone)
+and a resume with one argument changed (one S2DError naming that argument, nothing
+written).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2d_jax.data import engine
+from s2d_jax.errors import S2DError
+from test_cli_fuzz import snapshot
+
+FP = "target-fingerprint"
+
+
+def _quiet(msg):
+    pass
+
+
+def _magpie(work, batch_size=2, seed=0):
+    return engine.magpie_stage(str(work), FP, None, None, 4, batch_size, seed, _quiet)
+
+
+def _answers(work, max_new_tokens=8, seed=0):
+    return engine.answers_stage(str(work), FP, None, None, ["a", "b", "c"], 2,
+                                max_new_tokens, seed, _quiet)
+
+
+def _teacher(work, max_tokens=16, template="none"):
+    items = [{"kind": "answer", "input_ids": list(range(1, 30)), "learn_from": 3}] * 3
+    return engine.teacher_stage(str(work), FP, items, None, template,
+                                lambda rows: np.zeros((sum(map(len, rows)), 4), np.float32),
+                                max_tokens, 2, _quiet)
+
+
+def _distill(work, tok, max_new_tokens=8, temperatures=(0.0, 1.0), batch_size=2,
+             max_batches=None, seed=0, prompts=("a", "b", "c")):
+    from s2d_jax.data.distill import generate_answers
+    return generate_answers(None, tok, list(prompts), str(work / "answers.jsonl"),
+                            max_new_tokens=max_new_tokens, temperatures=temperatures,
+                            batch_size=batch_size, max_batches=max_batches, seed=seed,
+                            log=_quiet)
+
+
+@pytest.fixture(autouse=True)
+def stub_models(monkeypatch):
+    """The target's passes, as functions of the arguments that change their output."""
+    import s2d_jax.data.distill as distill
+    import s2d_jax.data.magpie as magpie
+    import s2d_jax.data.prompts as prompts
+
+    def turns(decoder, tok, count, batch_size=16, seed=0, log=None):
+        return [f"turn {seed}-{i}" for i in range(count)]
+
+    def rows(decoder, tok, prompts, temperature, seed, max_new_tokens=192, template="auto"):
+        return [{"input_ids": [1, 2] + [seed % 7 + 3] * max_new_tokens, "learn_from": 2,
+                 "temperature": temperature, "prompt": p} for p in prompts]
+    monkeypatch.setattr(magpie, "sample_user_turns", turns)
+    monkeypatch.setattr(prompts, "prompt_ids", lambda tok, template, users: [1] * len(users[0]))
+    monkeypatch.setattr(distill, "answer_rows", rows)
+
+
+STAGES = {"magpie": _magpie, "answers": _answers, "teacher": _teacher, "distill": _distill}
+CHANGES = [("magpie", "batch_size", 3, "--batch-size"), ("magpie", "seed", 1, "--seed"),
+           ("answers", "max_new_tokens", 16, "--max-new-tokens"),
+           ("answers", "seed", 1, "--seed"),
+           ("teacher", "max_tokens", 8, "--max-tokens"),
+           ("teacher", "template", "vicuna", "chat template"),
+           ("distill", "max_new_tokens", 16, "--max-new-tokens"),
+           ("distill", "temperatures", (0.0,), "temperatures"),
+           ("distill", "batch_size", 3, "batch size"),
+           ("distill", "max_batches", 1, "batches"),
+           ("distill", "seed", 1, "seed"),
+           ("distill", "prompts", ("a", "b", "d"), "prompts")]
+
+
+@pytest.mark.parametrize("stage,arg,value,named", CHANGES,
+                         ids=[f"{c[0]}-{c[1]}" for c in CHANGES])
+def test_a_resume_with_another_argument_is_refused(tmp_path, stage, arg, value, named):
+    run = STAGES[stage]
+    extra = {"tok": None} if stage == "distill" else {}
+    run(tmp_path, **extra)
+    before = snapshot(tmp_path)
+    run(tmp_path, **extra)  # the same arguments resume: all done, nothing rewritten
+    assert snapshot(tmp_path) == before
+    with pytest.raises(S2DError, match=named):
+        run(tmp_path, **extra, **{arg: value})
+    assert snapshot(tmp_path) == before
+
+
+def test_the_engine_stages_record_their_arguments():
+    """The stage functions' arguments that reach `work` are those the tests change (a new
+    one must be added to the stage's settings and to CHANGES)."""
+    import inspect
+    recorded = {"magpie": {"batch_size", "seed"}, "answers": {"max_new_tokens", "seed"},
+                "teacher": {"max_tokens", "template"}}
+    plumbing = {"work", "fp", "decoder", "tok", "log", "states", "prompts", "items", "count",
+                "shard_size", "batch_size"}
+    for stage, fn in (("magpie", engine.magpie_stage), ("answers", engine.answers_stage),
+                      ("teacher", engine.teacher_stage)):
+        args = set(inspect.signature(fn).parameters) - plumbing
+        assert args <= recorded[stage], (stage, args - recorded[stage])
+        assert {c[1] for c in CHANGES if c[0] == stage} == recorded[stage]
