@@ -106,3 +106,24 @@ def test_the_engine_stages_record_their_arguments():
         args = set(inspect.signature(fn).parameters) - plumbing
         assert args <= recorded[stage], (stage, args - recorded[stage])
         assert {c[1] for c in CHANGES if c[0] == stage} == recorded[stage]
+
+
+@pytest.mark.parametrize("override", ["optimizer.lr=0.01", "seed=1", "data.seq_len=16",
+                                      "draft.exits=[2,4]", "optimizer.total_steps=3"])
+def test_training_resumes_only_with_the_settings_it_was_made_with(tmp_path, override):
+    import jax
+
+    from s2d_jax.train.loop import train
+    from test_trainer import synthetic_config
+    base = [f"checkpoint.dir={tmp_path / 'ckpt'}", "optimizer.total_steps=2",
+            "optimizer.warmup_steps=1"]
+    train(synthetic_config(tmp_path, *base), devices=jax.devices()[:1], progress=False)
+    assert (tmp_path / "ckpt" / "run_plan.json").is_file()
+    again = train(synthetic_config(tmp_path, *base), devices=jax.devices()[:1], progress=False)
+    assert again["start_step"] == 2  # the same settings resume
+    key = override.split("=")[0]
+    before = snapshot(tmp_path / "ckpt")
+    with pytest.raises(S2DError, match=key.replace("[", r"\[")):
+        train(synthetic_config(tmp_path, *base, override), devices=jax.devices()[:1],
+              progress=False)
+    assert snapshot(tmp_path / "ckpt") == before

@@ -116,3 +116,43 @@ def restore_latest(manager, abstract_state, data_per_process: bool = True):
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state)))
     return out["state"], data.state, step
+
+
+PLAN = "run_plan.json"
+# TrainConfig fields that do not change what the steps compute (where outputs go, how often
+# they are written, the mesh the same numbers are sharded over)
+_NOT_IN_PLAN = ("checkpoint", "metrics_path", "log_every", "export_dir", "export_overwrite",
+                "stop_after_step", "mesh")
+
+
+def run_plan(tc) -> dict:
+    """Every setting of a training run that changes its steps' results, as JSON."""
+    plan = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _NOT_IN_PLAN}
+    return json.loads(json.dumps(plan))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_run_plan(directory: str, plan: dict, has_checkpoint: bool) -> None:
+    """A run resumes only with the settings its checkpoints were made with (directory's
+    run_plan.json, written when the first run starts): another lr, data or draft would
+    silently continue one run as another. A checkpoint dir without a plan (made before
+    plans were recorded) resumes as before."""
+    from s2d_jax.io.atomic import write_atomic
+    from s2d_jax.readers import read_json
+    path = os.path.join(directory, PLAN)
+    if has_checkpoint and os.path.exists(path):
+        old = read_json(path, "training run plan")
+        was, now = _flat(old if isinstance(old, dict) else {}), _flat(plan)
+        for key in sorted(set(was) | set(now)):
+            if was.get(key) != now.get(key):
+                raise S2DError(f"checkpoint.dir {directory} holds a run made with {key}="
+                               f"{was.get(key)!r}, this config has {key}={now.get(key)!r}; "
+                               f"resume with the same settings, or use a new checkpoint.dir")
+    elif not has_checkpoint and jax.process_index() == 0:
+        write_atomic(path, json.dumps(plan, indent=1, sort_keys=True) + "\n")

@@ -259,6 +259,9 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
                                 tc.checkpoint.async_save) if tc.checkpoint.dir else None
+    if manager:
+        ckpt.check_run_plan(tc.checkpoint.dir, ckpt.run_plan(tc),
+                            manager.latest_step() is not None)
     state, start = restore_or_init(run, manager)
     bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
     hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]
