@@ -56,7 +56,10 @@ def number(value, name: str, lo: float | None = None, hi: float | None = None,
                        f"pass a number such as 0.5")
     value = float(value)
     if not math.isfinite(value):
-        raise S2DError(f"{name} must be a finite number, got {value}; give a finite value")
+        span = (f" in [{lo:g}, {hi:g}]" if lo is not None and hi is not None else
+                f" >= {lo:g}" if lo is not None else "")
+        raise S2DError(f"{name} must be a finite number{span}, got {value}; give a finite "
+                       f"value")
     if lo is not None and (value <= lo if lo_open else value < lo):
         raise S2DError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {value:g}")
     if hi is not None and value > hi:

@@ -81,7 +81,7 @@ def test_threshold_checks():
     assert check_thresholds(None, (1, 2)) == (0.0, 0.0)
     assert check_thresholds([1, 0.5], (1, 2)) == (1.0, 0.5)
     for bad, match in [([0.5], "one threshold per exit"), ([math.nan, 0], r"\[0, 1\]"),
-                       ([0.5, math.inf], r"\[0, 1\]"), (["x", 0], "numbers"),
+                       ([0.5, math.inf], r"\[0, 1\]"), (["x", 0], "must be a number"),
                        ([-0.1, 0], r"\[0, 1\]")]:
         with pytest.raises(S2DError, match=match):
             check_thresholds(bad, (1, 2))

@@ -226,6 +226,8 @@ def test_training_on_the_targets_distribution_lowers_kd(target, tmp_path):
 def test_pipeline_refuses_a_kd_weight_outside_0_1(tmp_path, capsys):
     from tiny_models import cli_error
     from train import smollm2_draft
-    err = cli_error(smollm2_draft.main, capsys, ["--target", str(tmp_path), "--kd-weight", "2",
-                                                 "--out", str(tmp_path / "pack")])
+    (tmp_path / "target").mkdir()
+    err = cli_error(smollm2_draft.main, capsys, ["--target", str(tmp_path / "target"),
+                                                 "--kd-weight", "2", "--out",
+                                                 str(tmp_path / "pack")])
     assert "--kd-weight must lie in [0, 1]" in err

@@ -14,7 +14,7 @@ def check_thresholds(thresholds, exits) -> tuple[float, ...]:
     exits = tuple(exits)
     if thresholds is None:
         return (0.0,) * len(exits)
-    out = tuple(validate.numbers_list(thresholds, "thresholds", allow_empty=True))  # "0.5" is not a list
+    out = tuple(validate.numbers_list(thresholds, "thresholds", 0.0, 1.0, allow_empty=True))  # "0.5" is not a list
     if len(out) != len(exits):
         raise S2DError(f"got {len(out)} threshold(s) for {len(exits)} exit(s) {exits}; "
                        f"pass one threshold per exit")

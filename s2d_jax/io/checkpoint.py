@@ -55,7 +55,7 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     """
     from s2d_jax import validate
     path = expand_path(validate.path(path, "path"))
-    validate.integer(num_layers, "num_layers", 1, optional=True)
+    validate.integer(num_layers, "num_layers", optional=True)  # its range: first_layers
     kind = checkpoint_kind(path)
     if kind == "gguf":
         return gguf.load_gguf(path, num_layers, dtype, shardings)
