@@ -60,7 +60,11 @@ def number(value, name: str, lo: float | None = None, hi: float | None = None,
                 f" >= {lo:g}" if lo is not None else "")
         raise S2DError(f"{name} must be a finite number{span}, got {value}; give a finite "
                        f"value")
-    if lo is not None and (value <= lo if lo_open else value < lo):
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    if lo is not None and hi is not None and (below or value > hi):
+        raise S2DError(f"{name} must lie in {'(' if lo_open else '['}{lo:g}, {hi:g}], got "
+                       f"{value:g}")
+    if below:
         raise S2DError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {value:g}")
     if hi is not None and value > hi:
         raise S2DError(f"{name} must be <= {hi:g}, got {value:g}")
