@@ -3,8 +3,10 @@
     python -m infer.chat --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --draft models/smollm2-draft
     python -m infer.chat --target ... --method ar --script turns.txt --out answers.jsonl
 
-Type a message and press Enter; commands: /reset (forget the conversation), /stats (this
-conversation's totals), /help, /quit (or Ctrl-D). --script FILE reads the turns (and
+Type a message and press Enter (arrow keys edit the line and recall earlier ones); commands:
+/reset (forget the conversation), /stats (this conversation's totals), /help, /quit (or
+Ctrl-D). Ctrl-C while an answer streams stops it and keeps the conversation (with the part
+shown); Ctrl-C at the prompt, twice, ends the chat. --script FILE reads the turns (and
 commands) from a file instead, one per line. Each turn re-encodes the whole conversation in
 the tokenizer's chat template (the engine keeps no K/V between generations; see
 s2d_jax/decode/chat.py); a statistics line follows each answer on stderr.
@@ -100,12 +102,22 @@ def turns_from(script: list[str] | None):
             print(f"you> {line}", flush=True)
             yield line
         return
+    if sys.stdin.isatty():
+        import readline  # noqa: F401 (input() then edits lines and keeps their history)
+    interrupted = False
     while True:
         try:
             line = input("you> ").strip()
         except EOFError:
             print()
             return
+        except KeyboardInterrupt:
+            if interrupted:  # a second Ctrl-C in a row at the prompt
+                print()
+                return
+            interrupted = True
+            print("\n(Ctrl-C again, or Ctrl-D, ends the chat)", file=sys.stderr, flush=True)
+            continue
         except UnicodeDecodeError:
             line = "\udcff"  # stdin decodes strictly: the same note as below
         if line and not _is_text(line):
@@ -113,6 +125,7 @@ def turns_from(script: list[str] | None):
                   "another encoding?); type it again", file=sys.stderr, flush=True)
             continue
         if line:
+            interrupted = False
             yield line
 
 
@@ -144,20 +157,46 @@ def run_session(chat, lines, scripted: bool) -> list[dict]:
                       + "\n".join(f"{c}  {what}" for c, what in COMMANDS.items())
                       + "\n(anything else is your next message)", flush=True)
             continue
-        print("assistant> ", end="", flush=True)
+        shown = Shown(waiting=not scripted and sys.stdout.isatty())
         try:
-            out = chat.say(line, on_text=lambda piece: print(piece, end="", flush=True))
+            out = chat.say(line, on_text=shown)
         except S2DError as e:
             if scripted:
                 raise
             print(f"\nerror: {e}; /reset starts a new conversation", file=sys.stderr)
             continue
+        except KeyboardInterrupt:
+            if scripted:
+                raise
+            chat.keep(line, shown.text)
+            print("\n[answer stopped; the conversation keeps the part shown]", file=sys.stderr,
+                  flush=True)
+            continue
         print(flush=True)
         print(f"[{out['summary']}]", file=sys.stderr, flush=True)
-        rows.append({"conversation": conversation, "turn": len(chat.turns), "user": line,
+        rows.append({"conversation": conversation, "turn": len(chat.messages) // 2, "user": line,
                      "text": out["text"], "token_ids": out["token_ids"],
-                     "stats": out["stats"]})
+                     "prompt_tokens": len(out["prompt_ids"]), "stats": out["stats"]})
     return rows
+
+
+class Shown:
+    """on_text of a turn: prints each piece after "assistant> " and keeps what was shown. On
+    a terminal a placeholder stands there until the first piece (the turn's compile and
+    prefill take seconds)."""
+
+    WAIT = "(compiling and reading the conversation...)"
+
+    def __init__(self, waiting: bool):
+        self.text, self.waiting = "", waiting
+        print("assistant> " + (self.WAIT if waiting else ""), end="", flush=True)
+
+    def __call__(self, piece: str) -> None:
+        if self.waiting:  # back to the line's start, clear it, write the prompt again
+            print("\r\033[K" + "assistant> ", end="")
+            self.waiting = False
+        self.text += piece
+        print(piece, end="", flush=True)
 
 
 @cli_main

@@ -108,6 +108,12 @@ class Chat:
     def reset(self) -> None:
         self.messages, self.turns = [], []
 
+    def keep(self, text: str, reply: str) -> None:
+        """Keep a user turn whose answer was stopped, with the part of it shown (the
+        conversation goes on from there, as it reads on the screen)."""
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": reply.strip()}]
+
     def say(self, text: str, on_text: Callable[[str], None] | None = None, **decode) -> dict:
         """Answer the user's `text` after the conversation so far and keep both turns."""
         if not isinstance(text, str) or not text.strip():

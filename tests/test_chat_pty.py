@@ -1,0 +1,109 @@
+"""infer.chat under a pseudo-terminal, as a user types (issue 44): Ctrl-C while an answer
+streams stops it and keeps the conversation; the up arrow recalls the last line (readline),
+whose answer then reads the earlier turn and the part of the stopped answer; Ctrl-C twice
+at the prompt ends the chat with exit 0."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import time
+
+from test_cli_fuzz import DEMO, REPO
+
+TIMEOUT = 240
+
+
+# In the child, a new session (start_new_session) whose controlling terminal is the pty, so
+# that Ctrl-C typed there is a SIGINT to the chat, as in a real terminal; then the chat.
+OWN_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def _random_target(path) -> str:
+    """The demo target's shape and tokenizer with random weights: its greedy answers run to
+    the token budget (the demo target's own end after a dozen tokens), so Ctrl-C lands
+    mid-answer."""
+    import jax
+
+    import s2d_jax
+    from s2d_jax.io.hf import export_hf
+    from s2d_jax.model import transformer as model
+    src = os.path.join(DEMO, "target-s")
+    cfg = dataclasses.replace(s2d_jax.load_model(src)[0], num_layers=2)
+    export_hf(jax.device_get(model.init_params(cfg, jax.random.key(3), std=0.3)), cfg,
+              str(path), tokenizer_dir=src)
+    return str(path)
+
+
+class Terminal:
+    def __init__(self, argv, cwd):
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([sys.executable, "-c", OWN_TERMINAL, *argv[1:]],
+                                     stdin=slave, stdout=slave, stderr=slave, cwd=cwd,
+                                     env={**os.environ, "PYTHONPATH": REPO, "TERM": "xterm"},
+                                     start_new_session=True)
+        os.close(slave)
+        self.seen = ""
+
+    def read_until(self, pattern: str, after: int = 0) -> int:
+        """Read until `pattern` (a regex) appears past offset `after`; -> the offset past it."""
+        end = time.time() + TIMEOUT
+        while time.time() < end:
+            m = re.compile(pattern).search(self.seen, after)
+            if m:
+                return m.end()
+            ready, _, _ = select.select([self.master], [], [], 0.5)
+            if ready:
+                try:
+                    self.seen += os.read(self.master, 4096).decode("utf-8", "replace")
+                except OSError:  # the child closed the terminal
+                    break
+        raise AssertionError(f"no {pattern!r} in the terminal:\n{self.seen[-3000:]}")
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+
+def test_ctrl_c_stops_the_answer_and_history_recalls_the_line(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    target = _random_target(tmp_path / "target")
+    term = Terminal([sys.executable, "-m", "infer.chat", "--target", target, "--method", "ar",
+                     "--chat-template", "none", "--max-new-tokens", "600", "--out", str(out)],
+                    tmp_path)
+    try:
+        at = term.read_until(r"you> ")
+        term.send("ROMEO:\r")
+        at = term.read_until(r"\x1b\[Kassistant> \S", at)  # the placeholder gone: streaming
+        term.send("\x03")
+        at = term.read_until(r"\[answer stopped", at)
+        stopped = term.seen[:at]
+        partial = stopped[stopped.rfind("assistant> ") + len("assistant> "):
+                          stopped.rfind("[answer stopped")].strip()
+        at = term.read_until(r"you> ", at)
+        term.send("\x1b[A")  # up arrow: readline puts the last line back
+        at = term.read_until(r"ROMEO:", at)
+        term.send("\r")
+        at = term.read_until(r"\]\s*\r?\n.*you> ", term.read_until(r"assistant> ", at))
+        term.send("\x03")
+        at = term.read_until(r"Ctrl-C again", at)
+        term.send("\x03")
+        assert term.proc.wait(timeout=60) == 0, term.seen[-2000:]
+    finally:
+        if term.proc.poll() is None:
+            term.proc.kill()
+    assert "Traceback" not in term.seen
+    assert partial, term.seen[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["conversation"], r["turn"], r["user"]) for r in rows] == [(1, 2, "ROMEO:")]
+    # the second turn's prompt holds the first turn and the part of its answer shown
+    from s2d_jax.io.tokenizer import load_tokenizer
+    tok = load_tokenizer(target)
+    alone = len(tok.encode("ROMEO:", bos=True))
+    assert rows[0]["prompt_tokens"] >= 2 * alone + len(tok.encode(partial, bos=False)) - 2
