@@ -201,7 +201,7 @@ def _inputs(args, targets, temps, kinds) -> dict:
     cats = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(args.questions, cats, args.max_prompts)
     tok = load_tokenizer(next(iter(targets.values())))
-    template, note = resolve_template(tok, args.chat_template, fallback="none")
+    template, note = resolve_template(tok, args.chat_template)
     if note:
         log(note)
     turns = bench_runner.Conversations(tok, template, questions, args.max_new_tokens)

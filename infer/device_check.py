@@ -142,7 +142,7 @@ def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new
 
     qs = read_questions(questions, None, max_prompts)
     tok = load_tokenizer(target)
-    turns = runner.Conversations(tok, resolve_template(tok, template, "none")[0], qs,
+    turns = runner.Conversations(tok, resolve_template(tok, template)[0], qs,
                                  max_new_tokens)
     cfg, params, _ = load_model(target, dtype="float32")  # as infer.bench by default
     d_cfg, d_params, extra = load_draft(draft, target, dtype="float32")

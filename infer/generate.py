@@ -64,7 +64,7 @@ def parse_args(argv):
                      help="Spec-Bench / MT-bench lines (question_id, category, turns); every "
                      "turn is answered, in order")
     ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
-                    help="auto: the tokenizer's own template, else vicuna (default auto)")
+                    help="auto: the tokenizer's own template, else the text as is (none)")
     add_input(ap, "--tokenizer", default=None,
                     help="tokenizer dir (default: the first target)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
@@ -267,7 +267,7 @@ def main(argv=None):
     engine, tok = build_engine(args, targets)
     from s2d_jax.data.prompts import end_of_turn_id, resolve_template
 
-    template, note = resolve_template(tok, args.chat_template, fallback="vicuna")
+    template, note = resolve_template(tok, args.chat_template)
     if note:
         print(note, file=sys.stderr)
     decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

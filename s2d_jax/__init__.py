@@ -17,6 +17,11 @@ The public API, imported on first use (PEP 562), so `import s2d_jax.errors` stay
 from __future__ import annotations
 
 import importlib
+import os
+
+# transformers (tokenizers and chat templates only) prints "PyTorch was not found" as an
+# advisory on every import without torch, which the core install does not need
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # public name -> (module, attribute)
 _LAZY = {

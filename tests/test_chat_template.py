@@ -114,11 +114,12 @@ def test_later_turns_hold_the_earlier_answers(chatml):
 def test_auto_falls_back_without_a_template(chatml, tmp_path):
     plain = save_tokenizer(tmp_path / "plain", None, "<s>", "</s>")
     assert plain.chat_template is None
-    template, note = resolve_template(plain, "auto", fallback="vicuna")
-    assert template == "vicuna" and "no chat template" in note and "vicuna" in note
-    assert resolve_template(plain, "none", fallback="vicuna") == ("none", None)
-    assert resolve_template(chatml, "auto", fallback="none") == ("auto", None)
-    assert resolve_template(chatml, "vicuna", fallback="none") == ("vicuna", None)
+    template, note = resolve_template(plain, "auto")
+    # one fallback in every entry point and the API (issue 44): the text as is
+    assert template == "none" and "no chat template" in note and "as none" in note
+    assert resolve_template(plain, "none") == ("none", None)
+    assert resolve_template(chatml, "auto") == ("auto", None)
+    assert resolve_template(chatml, "vicuna") == ("vicuna", None)
 
 
 # --- two-turn questions through the bench -----------------------------------------------

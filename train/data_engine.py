@@ -121,7 +121,7 @@ def build_data(args, log) -> tuple[str, str]:
                                    eval_ngrams(eval_files)) if args.references else [])
     docs = documents(args.documents, eval_files)[0] if args.documents else []
     items = engine.supervision_items(answers, refs, docs)
-    template, _ = resolve_template(tok, "auto", fallback="none")
+    template, _ = resolve_template(tok, "auto")
     fn = states_fn(cfg)
     teacher = engine.teacher_stage(
         args.work, fp, items, tok, template,

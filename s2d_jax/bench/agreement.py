@@ -221,7 +221,7 @@ def first_turns(target: str, questions: str, max_prompts: int, chat_template: st
                                       resolve_template)
     from s2d_jax.io.tokenizer import load_tokenizer
     tok = load_tokenizer(target)
-    template, _ = resolve_template(tok, chat_template, fallback="none")
+    template, _ = resolve_template(tok, chat_template)
     prompts = encode_questions(tok, read_questions(questions, None, max_prompts), template)
     return prompts, end_of_turn_id(tok, template)
 

@@ -73,7 +73,7 @@ class Calibration:
         cats = [c.strip() for c in opts.categories.split(",")] if opts.categories else None
         questions = read_questions(opts.questions, cats, opts.max_prompts)
         tok = load_tokenizer(self.path)
-        template, note = resolve_template(tok, opts.chat_template, fallback="none")
+        template, note = resolve_template(tok, opts.chat_template)
         if note:
             self.log(note)
         self.prompts = encode_questions(tok, questions, template)

@@ -101,7 +101,7 @@ class Sources:
             from s2d_jax.data.prompts import resolve_template
             from s2d_jax.io.tokenizer import load_tokenizer
             tok = load_tokenizer(self.study.target)
-            template, _ = resolve_template(tok, "auto", fallback="none")
+            template, _ = resolve_template(tok, "auto")
             self._text = study_data.text_rows(self.study.engine, tok, template,
                                               self.study.documents, self.eval_files,
                                               limit)

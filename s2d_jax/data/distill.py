@@ -136,7 +136,7 @@ def answer_rows(decoder, tok, prompts: list[str], *, temperature: float, seed: i
     as prompts.resolve_template: auto without a chat template renders the prompts as none."""
     from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
 
-    template, _ = resolve_template(tok, template, fallback="none")
+    template, _ = resolve_template(tok, template)
     ids = [prompt_ids(tok, template, [p]) for p in prompts]
     res = decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature,
                            seed=seed, eos_id=end_of_turn_id(tok, template))

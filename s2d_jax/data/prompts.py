@@ -24,9 +24,15 @@ TEMPLATES = ("auto", "vicuna", "none")
 PROBE_TEXT = "\u2063reply\u2063"  # text no template rewrites, to find what follows a turn
 
 
-def resolve_template(tok, choice: str, fallback: str) -> tuple[str, str | None]:
+# What `auto` renders when the tokenizer has no chat template, in every entry point and the
+# API alike: the text as is (a Vicuna-family target takes --chat-template vicuna).
+AUTO_FALLBACK = "none"
+
+
+def resolve_template(tok, choice: str) -> tuple[str, str | None]:
     """The template to render with, and a note for stderr when `auto` had to fall back
-    (the tokenizer has no chat template) to `fallback`, the CLI's own default."""
+    (the tokenizer has no chat template) to AUTO_FALLBACK."""
+    fallback = AUTO_FALLBACK
     if choice not in TEMPLATES:
         raise S2DError(f"unknown chat template {choice!r}; use {', '.join(TEMPLATES)}")
     if choice != "auto" or tok.chat_template is not None:

@@ -89,7 +89,7 @@ class Chat:
         self.decoder, self.tokenizer, self.notes = load_decoder(
             target, draft, method=method, gamma=gamma, thresholds=thresholds, exit=exit,
             exits=exits, dtype=dtype)
-        self.template, note = resolve_template(self.tokenizer, chat_template, fallback="none")
+        self.template, note = resolve_template(self.tokenizer, chat_template)
         self.notes += [note] if note else []
         self.eos_id = end_of_turn_id(self.tokenizer, self.template)
         self.system = system
