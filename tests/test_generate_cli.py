@@ -69,7 +69,8 @@ def test_s2d_cli_writes_lossless_jsonl(models):
     rc = main(["--target", f"vic={root / 'target'}", "--draft", str(root / "draft"),
                "--method", "s2d", "--thresholds", "0.3,0", "--gamma", "2",
                "--max-new-tokens", "6", "--prompts", str(root / "q.jsonl"),
-               "--batch-size", "2", "--time-split", "--out", str(out)])
+               "--batch-size", "2", "--time-split", "--chat-template", "vicuna",
+               "--out", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # every turn answered, in order: question 7's second turn after its own first answer
