@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-from infer.args import ArgumentParser, add_input, add_output, check_at_least
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, check_at_least
 from s2d_jax.bench.agreement import measurable_exits  # noqa: F401 (train.smollm2_draft, tests)
 from s2d_jax.errors import cli_main
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infer.args import (ArgumentParser, add_fake_devices_flag, add_input, check_at_least,
+from s2d_jax.cli.args import (ArgumentParser, add_fake_devices_flag, add_input, check_at_least,
                         check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
 from s2d_jax.errors import S2DError, cli_main
 

@@ -44,7 +44,7 @@ import json
 import os
 import sys
 
-from infer.args import ArgumentParser, add_input, add_output, target_paths
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, target_paths
 from s2d_jax.io.outputs import DIR
 from s2d_jax.errors import S2DError, cli_main
 
@@ -104,8 +104,8 @@ def parse_args(argv):
 
 
 def _check_args(args):
-    from infer.args import check_at_least, parse_targets
-    from infer.args import parse_floats as _floats
+    from s2d_jax.cli.args import check_at_least, parse_targets
+    from s2d_jax.cli.args import parse_floats as _floats
     check_at_least(args, {"max_prompts": 1, "self_exit": 1})
     targets = parse_targets(args.targets)
     for name, path in list(targets.items()) + ([("draft", args.draft)] if args.draft else []):

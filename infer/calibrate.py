@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from infer.args import ArgumentParser, add_input, add_output, finite_number, target_paths
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number, target_paths
 from s2d_jax.bench.calibration import CalibrateOptions
 from s2d_jax.errors import S2DError, cli_main
 
@@ -83,7 +83,7 @@ def parse_args(argv):
 
 def _validate(args) -> tuple[list[int], list[float]]:
     """The gammas and draft stops of the command line, or a one-line error."""
-    from infer.args import parse_ints as _ints
+    from s2d_jax.cli.args import parse_ints as _ints
     gammas = sorted(set(_ints(args.gammas)))
     if not gammas or min(gammas) < 1:
         raise S2DError(f"--gammas must be positive integers, got {args.gammas}")
@@ -127,7 +127,7 @@ def _check_outputs(args, target: str) -> None:
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
-    from infer.args import parse_targets
+    from s2d_jax.cli.args import parse_targets
     (name, path), = parse_targets([args.target]).items()
     for what, p in (("target", path), ("draft", args.draft)):
         if not os.path.exists(p):  # a model dir or a .gguf file

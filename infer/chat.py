@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
-from infer.args import (ArgumentParser, add_input, add_output, check_at_least,
+from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least,
                         check_sampling, finite_number, parse_floats,
                         parse_ints)
 from s2d_jax.errors import S2DError, cli_main

@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 
-from infer.args import ArgumentParser, add_input, add_output, finite_number
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number
 from s2d_jax.io.orbax_params import restore_params, save_params
 from s2d_jax.io.tokenizer import TOKENIZER_FILES, has_tokenizer
 from s2d_jax.config import DTYPES

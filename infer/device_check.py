@@ -33,7 +33,7 @@ import json
 import os
 import time
 
-from infer.args import ArgumentParser, add_output, finite_number, parse_targets
+from s2d_jax.cli.args import ArgumentParser, add_output, finite_number, parse_targets
 from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR

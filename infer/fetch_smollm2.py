@@ -26,7 +26,7 @@ import sys
 import tempfile
 import zipfile
 
-from infer.args import ArgumentParser, add_input, add_output
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import CACHE
 from s2d_jax.io.atomic import chmod_like_open

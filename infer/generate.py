@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from infer.args import (ArgumentParser, add_input, add_output, check_at_least, check_gamma,
+from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least, check_gamma,
                         check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
                         target_paths)
 from s2d_jax.decode.defaults import METHODS

@@ -24,7 +24,7 @@ import json
 import math
 import os
 
-from infer.args import ArgumentParser, add_input, parse_floats
+from s2d_jax.cli.args import ArgumentParser, add_input, parse_floats
 from s2d_jax.bench import theory
 from s2d_jax.config import finite_float
 from s2d_jax.errors import S2DError, cli_main

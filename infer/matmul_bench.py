@@ -7,7 +7,7 @@ process and interleaved (s2d_jax/bench/matmul_costs.py).
 
 from __future__ import annotations
 
-from infer.args import ArgumentParser, add_input, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_input, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 

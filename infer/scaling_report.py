@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from infer.args import ArgumentParser, add_input, add_output, parse_floats
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, parse_floats
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR
 

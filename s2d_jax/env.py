@@ -15,6 +15,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.readers import expand_path
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SHIPPED_DRAFT = "smollm2-draft"
 _ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
@@ -42,6 +43,33 @@ def cache_root() -> str:
 def smollm2_dir() -> str:
     """Where infer.fetch_smollm2 puts the real target's HF dir."""
     return os.path.join(cache_root(), SMOLLM2_NAME)
+
+
+def shipped_draft_dir() -> str:
+    """The SmolLM2 draft the project ships: package data of an installed wheel, models/ of a
+    clone (an editable install maps the one to the other)."""
+    try:
+        from importlib.resources import files
+        path = str(files("s2d_jax.shipped") / SHIPPED_DRAFT)
+        if os.path.isdir(path):
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                        SHIPPED_DRAFT)
+
+
+# models found by name from any directory (a path that exists is taken as a path first)
+MODEL_NAMES = {"smollm2": smollm2_dir, "smollm2-draft": shipped_draft_dir}
+
+
+def resolve_model(spec: str) -> str:
+    """A model flag's value: an existing path as given (~ and $VARS expanded), a known name
+    (MODEL_NAMES) as its location, anything else as given (its loader says it is missing)."""
+    path = expand_path(spec)
+    if os.path.exists(path) or spec not in MODEL_NAMES:
+        return path
+    return MODEL_NAMES[spec]()
 
 
 def small_matmul_enabled() -> bool:

@@ -1,5 +1,5 @@
 """Checks of the values a user gives, one rule each, shared by the Python API and every
-command-line flag (infer/args.py turns argparse's `int` / `float` types into these), so a
+command-line flag (s2d_jax/cli/args.py turns argparse's `int` / `float` types into these), so a
 value refused by a flag is refused the same way by the function it reaches.
 
 Each check returns the value (normalised: numpy scalars become Python ones) or raises a

@@ -198,8 +198,8 @@ def test_wrong_values_are_refused_with_one_error(demo, fn_name, param, kind):
 @pytest.mark.parametrize("value", [3_000_000_000, 2.5, "16", True])
 def test_max_new_tokens_past_int32_or_not_an_int_in_every_entry(demo, value):
     """The int32 bound and the type rule hold on the API as on every CLI's --max-new-tokens
-    (infer/args.py's int type is validate.integer too)."""
-    from infer.args import ArgumentParser
+    (s2d_jax/cli/args.py's int type is validate.integer too)."""
+    from s2d_jax.cli.args import ArgumentParser
     for call in (lambda: s2d_jax.generate("Hi", TARGET, method="ar", max_new_tokens=value),
                  lambda: demo["decoder"].generate([[1, 2]], max_new_tokens=value),
                  lambda: demo["chat"].say("Hi", max_new_tokens=value)):

@@ -1,5 +1,5 @@
 """Every entry point's --help: a one-line help per flag and the default of every flag that
-has one (infer/args.py HelpFormatter), rendered without error."""
+has one (s2d_jax/cli/args.py HelpFormatter), rendered without error."""
 
 import argparse
 import importlib
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-import infer.args
+import s2d_jax.cli.args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIS = sorted(f"{p.parent.name}.{p.stem}" for d in ("infer", "train")
@@ -28,8 +28,8 @@ def _parsers(module) -> list[argparse.ArgumentParser]:
         raise _Parsed
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(infer.args.ArgumentParser, "parse_args", grab)
-    mp.setattr(infer.args.ArgumentParser, "parse_known_args", grab)
+    mp.setattr(s2d_jax.cli.args.ArgumentParser, "parse_args", grab)
+    mp.setattr(s2d_jax.cli.args.ArgumentParser, "parse_known_args", grab)
     try:
         with pytest.raises(_Parsed):
             module.main(["--help"])

@@ -1,6 +1,6 @@
 """Imports in s2d_jax/ only point down the package ranks (the layout in README.md):
 
-    errors, config, readers, validate, env < parallel < model < io < data < decode < train < bench < s2d_jax/__init__.py
+    errors, config, readers, validate, env < parallel < model < io < data < decode < train < bench < cli < s2d_jax/__init__.py
 
 Every import statement counts, including those inside functions (a lazy import is still a
 dependency). s2d_jax never imports the entry points (`infer`, top-level `train`) or
@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "s2d_jax"
 RANKS = {"errors": 0, "config": 0, "readers": 0, "validate": 0, "env": 0, "parallel": 1, "model": 2, "io": 3, "data": 4,
-         "decode": 5, "train": 6, "bench": 7}
+         "decode": 5, "train": 6, "bench": 7, "cli": 8}
 TOP = max(RANKS.values()) + 1  # s2d_jax/__init__.py: the public API imports any package
 FORBIDDEN = ("infer", "train", "examples")  # top-level entry points and the demo pipeline
 
@@ -116,8 +116,8 @@ CLEAN = {"s2d_jax/__init__.py": "def f():\n    from s2d_jax.bench import runner\
      "s2d_jax/parallel/bad.py:1: from ..model import transformer"),
     ("s2d_jax/config.py", "from s2d_jax import decode\n",
      "s2d_jax/config.py:1: from s2d_jax import decode"),
-    ("s2d_jax/bench/bad.py", "def f():\n    from infer.args import parse_targets\n",
-     "s2d_jax/bench/bad.py:2: from infer.args import parse_targets"),
+    ("s2d_jax/bench/bad.py", "def f():\n    from s2d_jax.cli.args import parse_targets\n",
+     "s2d_jax/bench/bad.py:2: from s2d_jax.cli.args import parse_targets"),
     ("s2d_jax/decode/bad.py", "import train.soft\n", "s2d_jax/decode/bad.py:1: import train.soft"),
     ("s2d_jax/data/bad.py", "from examples.demo_family import bpe\n",
      "s2d_jax/data/bad.py:1: from examples.demo_family import bpe"),
@@ -306,7 +306,7 @@ def test_cycle_checker_finds_a_planted_cycle(tmp_path, files, expect):
 # --- commands (infer/, train/) call the library, not each other ----------------------------
 
 COMMANDS = ("infer", "train")
-SHARED_COMMAND_MODULES = {"infer.args"}  # argument helpers every command shares
+SHARED_COMMAND_MODULES: set = set()  # (their shared parsing is s2d_jax/cli/args.py)
 
 
 def command_imports(root: pathlib.Path) -> list[tuple[str, int, str]]:
@@ -348,8 +348,8 @@ def test_commands_do_not_import_each_other():
     ("infer/bad.py", "from train.soft import main\n", "train.soft"),
 ])
 def test_command_import_checker_names_each_violation(tmp_path, rel, text, expect):
-    root = _tree(tmp_path, {"infer/ok.py": "from infer.args import path_arg\nimport s2d_jax\n",
-                            "train/ok.py": "from infer import args\n"})
+    root = _tree(tmp_path, {"infer/ok.py": "from s2d_jax.cli.args import path_arg\nimport s2d_jax\n",
+                            "train/ok.py": "from s2d_jax.cli import args\n"})
     assert command_imports(root) == []  # the shared argument helpers and the library pass
     _tree(tmp_path, {rel: text})
     assert [(r, name) for r, _, name in command_imports(root)] == [(rel, expect)]

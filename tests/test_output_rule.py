@@ -1,7 +1,7 @@
 """One output rule for every command, found by the code (issue 41): every module of infer/
 and train/ (and the demo family's build) with a `main` is imported, its parser is taken from
 the call its main makes to `ArgumentParser.parse_args`, and every flag that names an output
-(declared with infer.args.add_output) is tried with the cases that must not write:
+(declared with s2d_jax.cli.args.add_output) is tried with the cases that must not write:
 
     is / contains / lies inside an input, "", ".", an existing path of the wrong kind, a
     path under a file, a place that cannot be written, a dir holding another tool's files
@@ -9,7 +9,7 @@ the call its main makes to `ArgumentParser.parse_args`, and every flag that name
 Each case ends in one `error:` line and exit 2 from the command's real `main`, with the
 workspace byte-identical; where the case is valid for that kind of output (a shared cache
 dir may hold other things), the parser accepts it. A new command whose main does not parse
-with infer.args.ArgumentParser, or a path-like flag declared without add_input/add_output,
+with s2d_jax.cli.args.ArgumentParser, or a path-like flag declared without add_input/add_output,
 fails `test_every_command_declares_its_paths`.
 """
 
@@ -23,8 +23,8 @@ import re
 
 import pytest
 
-import infer.args
-from infer.args import ArgumentParser, path_arg
+import s2d_jax.cli.args
+from s2d_jax.cli.args import ArgumentParser, path_arg
 from s2d_jax.errors import S2DError
 from s2d_jax.io.outputs import CACHE, DIR, FILE, MARKER
 from test_cli_fuzz import REPO, check_one_error, snapshot
@@ -61,8 +61,8 @@ def _parser_of(module: str):
         mod.main(["--help"])
     except _Parsed as p:
         return p.parser
-    except SystemExit:  # printed help through a parser that is not infer.args'
-        pytest.fail(f"{module}.main does not parse with infer.args.ArgumentParser, so the "
+    except SystemExit:  # printed help through a parser that is not s2d_jax.cli.args'
+        pytest.fail(f"{module}.main does not parse with s2d_jax.cli.args.ArgumentParser, so the "
                     f"output rule does not reach it")
     finally:
         ArgumentParser.parse_args = original
@@ -102,7 +102,7 @@ def test_every_command_declares_its_paths(module):
                 if a.type is path_arg or (takes_text and any(PATHLIKE.match(n) for n in names)):
                     assert _declared(a), (
                         f"{module}: {names[0]} looks like a path but is declared with "
-                        f"add_argument; use infer.args.add_input or add_output so the output "
+                        f"add_argument; use s2d_jax.cli.args.add_input or add_output so the output "
                         f"rule covers it")
 
 
@@ -222,10 +222,10 @@ def test_no_output_escapes_the_rule(module, words, flag, case, ws, capsys):
 def test_the_rule_runs_inside_parse_args(ws):
     """The rule is the parser's, not each command's: a bare parser with one input and one
     output refuses an output inside the input."""
-    from infer.args import add_input, add_output
+    from s2d_jax.cli.args import add_input, add_output
     ap = ArgumentParser(prog="x")
     add_input(ap, "--model")
     add_output(ap, "--out")
     with pytest.raises(S2DError, match="lies inside the input --model"):
         ap.parse_args(["--model", "m", "--out", "m/config.json"])
-    assert infer.args.check_path_flags  # the one place it is applied
+    assert s2d_jax.cli.args.check_path_flags  # the one place it is applied

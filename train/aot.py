@@ -17,7 +17,7 @@ takes (s2d_jax/train/throughput.py):
 
 from __future__ import annotations
 
-from infer.args import (ArgumentParser, add_fake_devices_flag, add_input, fake_cpu_devices,
+from s2d_jax.cli.args import (ArgumentParser, add_fake_devices_flag, add_input, fake_cpu_devices,
                         finite_number)
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.train.throughput import ACCELERATORS

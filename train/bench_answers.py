@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from infer.args import ArgumentParser, add_input, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_input, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 

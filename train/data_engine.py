@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 
-from infer.args import (ArgumentParser, add_input, add_output, check_at_least,
+from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least,
                         comma_paths)
 from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main

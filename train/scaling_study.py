@@ -25,7 +25,7 @@ import os
 import re
 import time
 
-from infer.args import (ArgumentParser, add_input, add_output, check_at_least, comma_paths,
+from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least, comma_paths,
                         finite_number, parse_floats, parse_ints)
 from s2d_jax.env import cache_root, smollm2_dir
 from s2d_jax.errors import S2DError, cli_main

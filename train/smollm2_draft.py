@@ -31,7 +31,7 @@ import json
 import os
 import shlex
 
-from infer.args import ArgumentParser, add_input, add_output, finite_number, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number, parse_ints
 from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR, DRAFT_PACK

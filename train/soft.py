@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from infer.args import ArgumentParser, add_input
+from s2d_jax.cli.args import ArgumentParser, add_input
 from s2d_jax.errors import S2DError, cli_main
 
 

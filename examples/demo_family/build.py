@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from infer.args import ArgumentParser, add_input, add_output
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output
 from s2d_jax.io.outputs import CACHE, FILE
 from s2d_jax.errors import cli_main
 

@@ -34,8 +34,10 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
 
     from s2d_jax import validate
     from s2d_jax.config import DTYPES
-    target = validate.path(target, "target")
+    from s2d_jax.env import resolve_model
+    target = resolve_model(validate.path(target, "target"))  # a path, or `smollm2`
     draft = validate.path(draft, "draft", optional=True)
+    draft = draft if draft is None else resolve_model(draft)
     validate.model_setting(method, METHODS, gamma, thresholds, exit, exits, dtype, DTYPES)
     if method in ("sd", "s2d") and draft is None:
         raise S2DError(f"method {method} needs a draft model; pass draft=PATH (--draft)")

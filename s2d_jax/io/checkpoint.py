@@ -54,7 +54,8 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
     extra: non-ModelConfig settings such as a draft's `s2d_exits`.
     """
     from s2d_jax import validate
-    path = expand_path(validate.path(path, "path"))
+    from s2d_jax.env import resolve_model
+    path = resolve_model(validate.path(path, "path"))  # a path, or a name (`smollm2`)
     validate.integer(num_layers, "num_layers", optional=True)  # its range: first_layers
     kind = checkpoint_kind(path)
     if kind == "gguf":

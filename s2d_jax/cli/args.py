@@ -114,14 +114,18 @@ def check_path_flags(parser: argparse.ArgumentParser, ns) -> None:
     ns.s2d_prog = parser.prog  # the owner files_dir marks a DIR output with
 
 
+MODEL_FLAGS = ("--target", "--draft")
+
+
 def _paths_as_given(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def add_input(container, *flags, paths=_paths_as_given, **kw) -> argparse.Action:
     """A flag naming something the command reads (a model, a data file, a config): outputs
-    may not touch it. `paths(value)` -> its path(s) (e.g. NAME=PATH specs' paths)."""
-    kw.setdefault("type", path_arg)
+    may not touch it. `paths(value)` -> its path(s) (e.g. NAME=PATH specs' paths). A model
+    flag (--target, --draft) also takes a model's name (model_arg)."""
+    kw.setdefault("type", model_arg if flags[0] in MODEL_FLAGS else path_arg)
     action = container.add_argument(*flags, **kw)
     action.s2d_input = paths
     return action
@@ -171,6 +175,13 @@ def finite_number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give a finite "
                                          f"value")
     return value
+
+
+def model_arg(text: str) -> str:
+    """argparse `type` of model flags: a path, or a name of s2d_jax.env.MODEL_NAMES
+    (`smollm2`, `smollm2-draft`) found from any directory."""
+    from s2d_jax.env import resolve_model
+    return resolve_model(text)
 
 
 def path_arg(text: str) -> str:
@@ -224,7 +235,7 @@ def parse_targets(specs: list[str], flag: str = "--target") -> dict[str, str]:
             raise S2DError(f"bad {flag} {spec!r}; use PATH or NAME=PATH")
         if name in targets:
             raise S2DError(f"target name {name!r} given twice; name them NAME=PATH")
-        targets[name] = expand_path(path)
+        targets[name] = model_arg(path)
     return targets
 
 
