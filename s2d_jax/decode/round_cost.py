@@ -13,7 +13,6 @@ beside `bytes accessed` and `flops`; XLA:CPU gives bytes and flops only.
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 
 import jax

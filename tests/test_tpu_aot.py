@@ -1,0 +1,77 @@
+"""The TPU compiler's program, compiled deviceless for a TPU topology (libtpu, no TPU):
+a small bf16 S2D generation (head dim 128, as the real models) updates its caches in
+place on TPU, every copy of a round is classified, and the check fails on a planted
+cache copy. Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu (the TPU compiler) is not installed")
+
+# Run in a child: the topology path sets TPU_SKIP_MDS_QUERY / JAX_PLATFORMS before JAX
+# starts, and this test process's JAX already runs on 8 fake CPU devices.
+SCRIPT = r'''
+import dataclasses, sys
+from s2d_jax.parallel import topology
+devs = topology.devices("v5e:2x2")
+import jax, jax.numpy as jnp
+from s2d_jax.config import ModelConfig
+from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_copy_list
+from s2d_jax.decode.round_copies import round_copies, summary
+from s2d_jax.parallel.mesh import MeshConfig
+from s2d_jax.parallel.multihost import build_mesh
+cfg = ModelConfig(vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_layers=4,
+                  num_heads=16, num_kv_heads=16, max_position_embeddings=4096,
+                  dtype="bfloat16", param_dtype="bfloat16")
+mesh = build_mesh(MeshConfig(tensor=4), {"t": cfg}, devices=devs)
+method = sys.argv[1]
+if method == "planted":  # a loop that copies its cache: a cache written in a cond branch
+    shape = (3, 1, 4, 1024, 128)
+    def body(c):
+        cache, i = c
+        new = jnp.ones((3, 1, 4, 1, 128), jnp.bfloat16)
+        cache = jax.lax.cond(i % 2 == 0,
+            lambda x: jax.lax.dynamic_update_slice(x, new * x[0, 0, 0, 0, 0], (0, 0, 0, i, 0)),
+            lambda x: jax.lax.dynamic_update_slice(x, new, (0, 0, 0, i, 0)), cache)
+        return cache.at[0, 0, 0, i + 1].set(cache[1, 0, 0, i]), i + 1
+    loop = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[1] < 8, body, (x, 0))[0],
+                   donate_argnums=0, device=devs[0])
+    hlo = loop.lower(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).compile().as_text()
+    print(summary(round_copies(hlo, [shape])))
+else:
+    exits = {"ar": (), "sd": (3,), "s2d": (1, 2, 3)}[method]
+    setup = GenerateSetup.make(cfg, None if method == "ar" else dataclasses.replace(cfg, num_layers=3),
+                               exits, 1, 1024, 64, 4, method)
+    compiled = compile_generate(setup, mesh)[0]
+    assert devs[0].platform == "tpu" and "TPU" in devs[0].device_kind
+    assert jax.devices()[0].platform == "cpu"  # ordinary arrays stay on the CPU
+    print(summary(round_copy_list(compiled.as_text(), [setup.target_cfg, setup.draft_cfg], 1, 1024, mesh)))
+'''
+
+
+def _run(arg):
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, arg], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return eval(proc.stdout.strip().splitlines()[-1])  # the summary dict: kind -> (n, bytes)
+
+
+@pytest.mark.parametrize("method", ["ar", pytest.param("s2d", marks=pytest.mark.slow)])
+def test_tpu_round_copies_no_cache(method):
+    """No cache copy per round in the TPU program. (Before the scatter in
+    kvcache.write_layers took H as its only window, S2D copied both draft caches at each
+    draft step: 8 copies a round here, 12 on the 70B's 12-layer draft.)"""
+    found = _run(method)
+    assert found["cache"] == (0, 0), found
+
+
+def test_tpu_copy_check_finds_a_planted_cache_copy():
+    found = _run("planted")
+    assert found["cache"][0] >= 8, found  # at least one per iteration of the 8
