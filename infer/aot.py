@@ -51,9 +51,9 @@ def _parse(argv):
     add_fake_devices_flag(p)
     p.add_argument("--topology", default=None, metavar="NAME",
                    help="compile with the TPU compiler for this topology's compile-only "
-                        "devices (e.g. v5p:2x2x2, v5e:2x4, v6e:2x4; needs libtpu, no TPU): "
-                        "memory, copies, traffic and the compiler's round time of the TPU "
-                        "program")
+                        "devices (e.g. v5p:2x2x2, v5e:2x4, v6e:2x4; needs libtpu, no TPU), or "
+                        "with XLA:GPU for N H100s (h100:N; needs the CUDA plugin, no GPU): "
+                        "memory, copies and (TPU) the compiler's round time of that program")
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
     p.add_argument("--check-copies", action="store_true",

@@ -54,7 +54,7 @@ def main(argv=None):
     devices = None
     if args.topology:  # compile-only TPU devices, before anything touches jax.devices()
         if args.fake_devices:
-            raise S2DError("--topology compiles for TPU devices; drop --fake-devices")
+            raise S2DError("--topology compiles for its own devices; drop --fake-devices")
         from s2d_jax.parallel import topology
         devices = topology.devices(args.topology)
         print(topology.describe(args.topology, devices))

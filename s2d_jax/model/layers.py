@@ -37,6 +37,9 @@ REMAT_POLICIES = {
 # demo models (<= 1.6M a layer) 0.11 ms unrolled vs 0.19 ms looped (3 layers).
 UNROLL_LAYERS = 4
 UNROLL_MAX_LAYER_PARAMS = 2_000_000
+# The cacheless layer scan (training) as a loop; train/aot.py's compiler step estimate
+# unrolls it (XLA's cost analysis counts a loop body once).
+TRAIN_UNROLL = 1
 
 
 def layer_param_count(cfg: ModelConfig) -> int:
@@ -90,7 +93,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
         layers = layer_slice(params, start, end) if layers is None else layers
-        return jax.lax.scan(body, h, layers)[0], None
+        return jax.lax.scan(body, h, layers, unroll=TRAIN_UNROLL)[0], None
 
     def attend(q, k, v, kc, vc, li):
         kc, vc = write_slots(kc, vc, li, positions, k, v)

@@ -47,7 +47,7 @@ def train_step_report(config_path: str, target: str | None = None,
     lines += memory_lines(compiled.memory_analysis()) + [
         f"lower {t_lower:.1f} s, compile {t_compile:.1f} s"]
     if devices[0].platform == "tpu":
-        lines += compiler_step_lines(compiled, tc, len(devices))
+        lines += compiler_step_lines(tc, cfg, exits, devices)
     if throughput:
         lines += estimate_lines(tc, cfg, exits, throughput, mfu, cache_tokens)
     return lines
@@ -78,16 +78,35 @@ def memory_lines(m) -> list[str]:
             + [f"  {'total (peak est)':<16} {peak / GIB:9.3f} GiB"])
 
 
-def compiler_step_lines(compiled, tc, chips: int) -> list[str]:
-    """The TPU compiler's estimate of the step (cost_analysis optimal_seconds; the layer
-    scan is a loop, which XLA's cost analysis counts once, so with scanned layers this is
-    a LOWER figure than the step, not the step) and the tokens a second it implies."""
+def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
+    """The TPU compiler's estimate of a step and the tokens a second it implies. XLA's cost
+    analysis counts a loop body once (the layer scan: one layer; gradient accumulation: one
+    micro-batch), so one micro-batch is compiled again with grad_accum 1 and the layers
+    unrolled, and its estimate (optimal_seconds, with round_cost.py's custom-call
+    correction) taken grad_accum times."""
+    import dataclasses
+
+    from s2d_jax.decode.round_cost import _unknown_cost_calls
+    from s2d_jax.model import layers
+    from s2d_jax.train.loop import compile_step_aot
+    accum = max(tc.optimizer.grad_accum_steps, 1)
+    micro = dataclasses.replace(
+        tc, data=dataclasses.replace(tc.data, batch_size=tc.data.batch_size // accum),
+        optimizer=dataclasses.replace(tc.optimizer, grad_accum_steps=1))
+    saved, layers.TRAIN_UNROLL = layers.TRAIN_UNROLL, True
+    try:
+        compiled, _, t_compile = compile_step_aot(micro, cfg, exits, devices)
+    finally:
+        layers.TRAIN_UNROLL = saved
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    s, flops = ca.get("optimal_seconds"), ca.get("flops") or 0
+    s = ca.get("optimal_seconds")
+    s = None if s is None else s + _unknown_cost_calls(compiled.as_text())
+    if s is None or not 0 < s < 100:
+        return [f"the TPU compiler's step estimate: n/a (optimal_seconds {ca.get('optimal_seconds')})"]
+    step = accum * s
     tokens = tc.data.batch_size * tc.data.seq_len  # a step's rows, over its micro-batches
-    if s is None or s <= 0:
-        return [f"the TPU compiler's step estimate: n/a (optimal_seconds {s})"]
-    return [f"the TPU compiler's step estimate: {s * 1e3:.1f} ms per device program "
-            f"({flops / 1e12:.2f} TFLOP per device counted; a loop body counts once), "
-            f"{tokens / s:,.0f} tokens a second on these {chips} chips at that estimate"]
+    return [f"the TPU compiler's step estimate: {1e3 * step:.1f} ms ({accum} micro-batches x "
+            f"{1e3 * s:.1f} ms, layers unrolled; {(ca.get('flops') or 0) / 1e12:.2f} TFLOP a "
+            f"micro-batch per chip; its compile {t_compile:.1f} s): {tokens / step:,.0f} tokens a "
+            f"second on these {len(devices)} chips"]
