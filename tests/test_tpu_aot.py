@@ -1,7 +1,7 @@
 """The TPU compiler's program, compiled deviceless for a TPU topology (libtpu, no TPU):
 a small bf16 S2D generation (head dim 128, as the real models) updates its caches in
-place on TPU, every copy of a round is classified, and the check fails on a planted
-cache copy. Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
+place on TPU, every copy of a round is classified, and the check finds a planted cache
+copy (a loop that keeps the last version of its cache beside the new one). Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
 
 import importlib.util
 import os
@@ -31,16 +31,15 @@ cfg = ModelConfig(vocab_size=1024, hidden_size=2048, intermediate_size=1024, num
                   dtype="bfloat16", param_dtype="bfloat16")
 mesh = build_mesh(MeshConfig(tensor=4), {"t": cfg}, devices=devs)
 method = sys.argv[1]
-if method == "planted":  # a loop that copies its cache: a cache written in a cond branch
-    shape = (3, 1, 4, 1024, 128)
+if method == "planted":  # a loop that keeps last round's cache beside this round's
+    # 96 MiB: too large for on-chip memory (a small one lives in VMEM, and a copy out of it
+    # is a memory-space move)
+    shape = (12, 1, 8, 4096, 128)
     def body(c):
-        cache, i = c
-        new = jnp.ones((3, 1, 4, 1, 128), jnp.bfloat16)
-        cache = jax.lax.cond(i % 2 == 0,
-            lambda x: jax.lax.dynamic_update_slice(x, new * x[0, 0, 0, 0, 0], (0, 0, 0, i, 0)),
-            lambda x: jax.lax.dynamic_update_slice(x, new, (0, 0, 0, i, 0)), cache)
-        return cache.at[0, 0, 0, i + 1].set(cache[1, 0, 0, i]), i + 1
-    loop = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[1] < 8, body, (x, 0))[0],
+        cache, last, i = c
+        new = cache.at[:, :, :, i].set(jnp.ones((12, 1, 8, 128), jnp.bfloat16))
+        return new, cache, i + 1  # two live versions: the update cannot be in place
+    loop = jax.jit(lambda x: jax.lax.while_loop(lambda c: c[2] < 8, body, (x, x, 0))[:2],
                    donate_argnums=0, device=devs[0])
     hlo = loop.lower(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).compile().as_text()
     print(summary(round_copies(hlo, [shape])))
@@ -74,4 +73,4 @@ def test_tpu_round_copies_no_cache(method):
 
 def test_tpu_copy_check_finds_a_planted_cache_copy():
     found = _run("planted")
-    assert found["cache"][0] >= 8, found  # at least one per iteration of the 8
+    assert found["cache"][0] >= 1, found  # the loop body's copy of the whole cache

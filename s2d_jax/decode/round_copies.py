@@ -8,8 +8,10 @@ conditional's dearest branch) and says what it moves:
   the TPU compiler bitcasts a cache to [layers, slots, heads, dim] views), a hidden pass
   over the cache;
 - "weight": a parameter's per-device shape or a range of its layers;
-- "memory space": the same array moved to another memory space (on TPU `S(1)` is the
-  on-chip VMEM; a prefetch, not a second copy of the array in HBM);
+- "memory space": a `copy-start` of an array to another memory space (on TPU `S(1)` is
+  the on-chip VMEM: an async prefetch or eviction, not a second copy in HBM); a plain
+  `copy` between memory spaces still duplicates the array (a cache kept in VMEM and copied
+  out to HBM every iteration is read and written whole), so it is judged by its shape;
 - "activation": anything else (hidden states, scores, indices: small).
 Loops count times their trip count (hlo_traffic.loop_trips: XLA's, or read off the loop's
 condition on TPU, or the attention's block loop over the whole cache).
@@ -92,8 +94,8 @@ def classify(mod: Module, comp: str, ins, cache_shapes, weight_shapes) -> str:
     dims, layout = _first_array(ins.type)
     src = mod.types[comp].get(ins.operands[0], "") if ins.operands else ""
     _, src_layout = _first_array(src)
-    if _space(layout) != _space(src_layout):
-        return "memory space"
+    if ins.opcode == "copy-start" and _space(layout) != _space(src_layout):
+        return "memory space"  # an async prefetch / eviction; a plain copy duplicates
     if weight_like(dims, weight_shapes):  # first: a weight [L, N, H, D] may match the
         return "weight"                   # cache's dims when D equals its slots
     if cache_like(dims, cache_shapes):
