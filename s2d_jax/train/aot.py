@@ -82,11 +82,10 @@ def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
     """The TPU compiler's estimate of a step and the tokens a second it implies. XLA's cost
     analysis counts a loop body once (the layer scan: one layer; gradient accumulation: one
     micro-batch), so one micro-batch is compiled again with grad_accum 1 and the layers
-    unrolled, and its estimate (optimal_seconds, with round_cost.py's custom-call
-    correction) taken grad_accum times."""
+    unrolled, and its estimate (round_cost.compiler_seconds) taken grad_accum times."""
     import dataclasses
 
-    from s2d_jax.decode.round_cost import _unknown_cost_calls
+    from s2d_jax.decode.round_cost import compiler_seconds
     from s2d_jax.model import layers
     from s2d_jax.train.loop import compile_step_aot
     accum = max(tc.optimizer.grad_accum_steps, 1)
@@ -100,9 +99,8 @@ def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
         layers.TRAIN_UNROLL = saved
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    s = ca.get("optimal_seconds")
-    s = None if s is None else s + _unknown_cost_calls(compiled.as_text())
-    if s is None or not 0 < s < 100:
+    s = compiler_seconds(compiled, ca)
+    if s is None:
         return [f"the TPU compiler's step estimate: n/a (optimal_seconds {ca.get('optimal_seconds')})"]
     step = accum * s
     tokens = tc.data.batch_size * tc.data.seq_len  # a step's rows, over its micro-batches
