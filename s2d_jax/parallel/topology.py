@@ -39,16 +39,26 @@ def prepare(name: str = "") -> None:
         if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
             raise S2DError(f"--topology {name} needs the CUDA plugin: pip install "
                            f"jax-cuda12-plugin jax-cuda12-pjrt (no GPU is needed to compile)")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        _cpu_backend()
         return
     if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
         raise S2DError("--topology needs the TPU compiler: pip install -e '.[tpu]' "
                        "(libtpu; no TPU is needed to compile)")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _cpu_backend()
     # libtpu takes /tmp/libtpu_lockfile for the chips it drives; a compile-only process
     # drives none, so two of them (a test beside a report) may share the machine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _cpu_backend() -> None:
+    """JAX's own backend is the CPU: the env var for a JAX not yet imported, its config for
+    one already imported (read when the first backend starts; the CUDA plugin checks for
+    CUDA libraries then unless the platforms exclude it)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
 
 
 def devices(name: str) -> list:
