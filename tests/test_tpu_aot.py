@@ -1,7 +1,8 @@
 """The TPU compiler's program, compiled deviceless for a TPU topology (libtpu, no TPU):
 a small bf16 S2D generation (head dim 128, as the real models) updates its caches in
 place on TPU, every copy of a round is classified, and the check finds a planted cache
-copy (a loop that keeps the last version of its cache beside the new one). Skipped where libtpu is not installed (`pip install -e '.[tpu]'`)."""
+copy (a loop that keeps the last version of its cache beside the new one). Skipped where
+libtpu is not installed (`pip install -e '.[tpu]'`; the `test` extra installs it)."""
 
 import importlib.util
 import os
@@ -45,12 +46,13 @@ if method == "planted":  # a loop that keeps last round's cache beside this roun
     print(summary(round_copies(hlo, [shape])))
 else:
     exits = {"ar": (), "sd": (3,), "s2d": (1, 2, 3)}[method]
-    setup = GenerateSetup.make(cfg, None if method == "ar" else dataclasses.replace(cfg, num_layers=3),
-                               exits, 1, 1024, 64, 4, method)
+    draft = None if method == "ar" else dataclasses.replace(cfg, num_layers=3)
+    setup = GenerateSetup.make(cfg, draft, exits, 1, 1024, 64, 4, method)
     compiled = compile_generate(setup, mesh)[0]
     assert devs[0].platform == "tpu" and "TPU" in devs[0].device_kind
     assert jax.devices()[0].platform == "cpu"  # ordinary arrays stay on the CPU
-    print(summary(round_copy_list(compiled.as_text(), [setup.target_cfg, setup.draft_cfg], 1, 1024, mesh)))
+    cfgs = [setup.target_cfg, setup.draft_cfg]
+    print(summary(round_copy_list(compiled.as_text(), cfgs, 1, 1024, mesh)))
 '''
 
 

@@ -101,7 +101,8 @@ def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     s = compiler_seconds(compiled, ca)
     if s is None:
-        return [f"the TPU compiler's step estimate: n/a (optimal_seconds {ca.get('optimal_seconds')})"]
+        return [f"the TPU compiler's step estimate: n/a (optimal_seconds "
+                f"{ca.get('optimal_seconds')})"]
     step = accum * s
     tokens = tc.data.batch_size * tc.data.seq_len  # a step's rows, over its micro-batches
     return [f"the TPU compiler's step estimate: {1e3 * step:.1f} ms ({accum} micro-batches x "
