@@ -130,6 +130,11 @@ def _check_hlo(args, compiled, cfgs, batch, mesh):
         print("  copies per round, by what they move:")
         print(copy_line(args.method, round_copy_list(compiled.as_text(), cfgs, batch,
                                                      args.context, mesh)))
+        low = any(c is not None and c.dtype in ("bfloat16", "float16") for c in cfgs)
+        if low and mesh.devices.flat[0].platform == "cpu":
+            print("    (XLA:CPU only: it scatters a 16-bit cache through f32 and copies it back "
+                  "into the loop's buffer every layer; the TPU compiler's program of the same "
+                  "setting copies no cache, --topology v5p:2x2x2, docs/distributed.md)")
         found = loop_cache_traffic(compiled.as_text(), cfgs, batch, args.context, mesh)
         print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
               f"updates {len(found['other'])}, whole-cache converts "
