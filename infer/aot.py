@@ -193,7 +193,7 @@ def _topology(args):
         args.device_memory = args.device_memory or "h100-80gb"
         return None
     if args.fake_devices:
-        raise S2DError("--topology compiles for TPU devices; drop --fake-devices")
+        raise S2DError("--topology compiles for its own devices; drop --fake-devices")
     from s2d_jax.parallel import topology
     devs = topology.devices(args.topology)
     args.device_memory = args.device_memory or topology.memory_preset(devs) or "h100-80gb"
