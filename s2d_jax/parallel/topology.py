@@ -4,7 +4,8 @@ compiler's program, memory and cost analysis on a machine without a TPU, the way
 
 libtpu (`pip install -e '.[tpu]'`) holds the compiler. On a machine without a TPU it must
 not look for one: `prepare()` sets, before JAX starts a backend, TPU_SKIP_MDS_QUERY (no
-GCE metadata queries) and JAX_PLATFORMS=cpu (ordinary arrays and `jax.devices()` stay on
+GCE metadata queries), TPU_WORKER_HOSTNAMES / TPU_HOST_BOUNDS (this host alone, quiet) and
+JAX_PLATFORMS=cpu (ordinary arrays and `jax.devices()` stay on
 the CPU; the topology's devices exist only to compile for) and ALLOW_MULTIPLE_LIBTPU_LOAD
 (no exclusive lock on chips it does not drive), unless already set.
 """
@@ -45,6 +46,11 @@ def prepare(name: str = "") -> None:
         raise S2DError("--topology needs the TPU compiler: pip install -e '.[tpu]' "
                        "(libtpu; no TPU is needed to compile)")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # This host as a one-host slice without chips: libtpu otherwise prints several lines
+    # (no accelerator type, no worker hostnames) on loading; the compile-only topology is
+    # the name's either way (v5p:4x4x4 stays 64 chips on 16 hosts).
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     _cpu_backend()
     # libtpu takes /tmp/libtpu_lockfile for the chips it drives; a compile-only process
     # drives none, so two of them (a test beside a report) may share the machine.
