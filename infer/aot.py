@@ -44,9 +44,15 @@ def _parse(argv):
                    "(default: context / 4)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute and weight dtype (default: as stored)")
-    p.add_argument("--device-memory", default="h100-80gb",
-                   help="memory of one device to check the plan against")
+    p.add_argument("--device-memory", default=None,
+                   help="memory of one device to check the plan against (default: the "
+                        "--topology's chip, else h100-80gb)")
     add_fake_devices_flag(p)
+    p.add_argument("--topology", default=None, metavar="NAME",
+                   help="compile with the TPU compiler for this topology's compile-only "
+                        "devices (e.g. v5p:2x2x2, v5e:2x4, v6e:2x4; needs libtpu, no TPU), or "
+                        "with XLA:GPU for N H100s (h100:N; needs the CUDA plugin, no GPU): "
+                        "memory, copies and (TPU) the compiler's round time of that program")
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
     p.add_argument("--check-copies", action="store_true",
@@ -98,9 +104,8 @@ def _models(args, exits):
     return target, draft, exits
 
 
-def _print_models(mesh_cfg, target, draft, exits, gamma):
-    import jax
-    devices = jax.devices()
+def _print_models(mesh_cfg, mesh, target, draft, exits, gamma):
+    devices = list(mesh.devices.flat)
     print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
           f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
     print(f"target: {target.name} {target.num_layers} layers ({target.num_params() / 1e9:.1f}B "
@@ -119,6 +124,16 @@ def _check_hlo(args, compiled, cfgs, batch, mesh):
         for g in gathers[:10]:
             print(f"    {g}")
     if args.check_copies:
+        from s2d_jax.decode.aot import round_copy_list
+        from s2d_jax.decode.tpu_report import copy_line
+        print("  copies per round, by what they move:")
+        print(copy_line(args.method, round_copy_list(compiled.as_text(), cfgs, batch,
+                                                     args.context, mesh)))
+        low = any(c is not None and c.dtype in ("bfloat16", "float16") for c in cfgs)
+        if low and mesh.devices.flat[0].platform == "cpu":
+            print("    (XLA:CPU only: it scatters a 16-bit cache through f32 and copies it back "
+                  "into the loop's buffer every layer; the TPU compiler's program of the same "
+                  "setting copies no cache, --topology v5p:2x2x2, docs/distributed.md)")
         found = loop_cache_traffic(compiled.as_text(), cfgs, batch, args.context, mesh)
         print(f"  decode loop: cache copies {len(found['copies'])}, out-of-place cache "
               f"updates {len(found['other'])}, whole-cache converts "
@@ -170,6 +185,21 @@ def _train_step(args, mesh_cfg):
         print(line)
 
 
+def _topology(args):
+    """--topology: its compile-only devices (and the chip's --device-memory preset when
+    none was given); None without it."""
+    if args.topology is None:
+        args.device_memory = args.device_memory or "h100-80gb"
+        return None
+    if args.fake_devices:
+        raise S2DError("--topology compiles for its own devices; drop --fake-devices")
+    from s2d_jax.parallel import topology
+    devs = topology.devices(args.topology)
+    args.device_memory = args.device_memory or topology.memory_preset(devs) or "h100-80gb"
+    print(topology.describe(args.topology, devs))
+    return devs
+
+
 def _acceptances(text: str) -> list[float]:
     values = parse_floats(text, "--acceptance", nonempty=True)
     if not all(0.0 <= a < 1.0 for a in values):
@@ -191,6 +221,7 @@ def main(argv=None):
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
                                     device_memory_bytes, format_report, memory_report)
     from s2d_jax.decode.roofline import device_bandwidth
+    tpu = _topology(args)  # compile-only TPU devices, before JAX starts a backend
     device_bytes = device_memory_bytes(args.device_memory)
     bandwidth = device_bandwidth(args.device_memory, args.bandwidth and args.bandwidth * 1e9)
     if args.roofline and bandwidth is None:
@@ -200,9 +231,9 @@ def main(argv=None):
     from s2d_jax.parallel.multihost import build_mesh
     target, draft, exits = _models(args, exits)
     cfgs = {"target": target} if draft is None else {"target": target, "draft": draft}
-    mesh = build_mesh(mesh_cfg, cfgs)
-    _print_models(mesh_cfg, target, draft, exits, args.gamma)
-    options = {} if args.raw_cpu_passes else accelerator_like_options([target, draft])
+    mesh = build_mesh(mesh_cfg, cfgs, devices=tpu)
+    _print_models(mesh_cfg, mesh, target, draft, exits, args.gamma)
+    options = {} if args.raw_cpu_passes or tpu else accelerator_like_options([target, draft])
     if options:
         print("note: CPU compile with the bf16->f32 weight-convert hoisting disabled, so temp "
               "models a GPU/TPU (bf16 matmuls); --raw-cpu-passes shows the CPU's own")
@@ -215,7 +246,14 @@ def main(argv=None):
         for line in format_report(memory_report(compiled, setup, mesh), device_bytes):
             print(line)
         _check_hlo(args, compiled, list(cfgs.values()), batch, mesh)
-        if args.roofline:
+        if args.roofline and tpu:
+            from s2d_jax.decode.tpu_report import method_setups, tpu_round_lines
+            setups = method_setups(target, draft, exits, batch, args.context, args.prompt_len,
+                                   args.gamma)
+            for line in tpu_round_lines(setups, mesh, (args.method, compiled), bandwidth,
+                                        args.device_memory, args.acceptance):
+                print(line)
+        elif args.roofline:
             _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth)
         del compiled
     if args.train_config:

@@ -96,9 +96,9 @@ def test_every_command_declares_its_paths(module):
         for p in parsers:
             for a in p._actions:
                 names = a.option_strings or [a.dest]
-                # a flag with metavar NAME names a thing, not a path (insertion's --target)
+                # a flag with metavar NAME(S) names things, not paths (insertion's --target)
                 takes_text = (a.type in (None, str) and a.nargs != 0 and not a.choices
-                              and a.metavar != "NAME")
+                              and a.metavar not in ("NAME", "NAMES"))
                 if a.type is path_arg or (takes_text and any(PATHLIKE.match(n) for n in names)):
                     assert _declared(a), (
                         f"{module}: {names[0]} looks like a path but is declared with "

@@ -30,6 +30,9 @@ def _parse(argv):
     add_input(p, "--target", default=None,
                    help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
     add_fake_devices_flag(p)
+    p.add_argument("--topology", default=None, metavar="NAME",
+                   help="compile with the TPU compiler for this topology's compile-only devices "
+                        "(e.g. v5p:4x4x4, 64 chips on 16 hosts; needs libtpu, no TPU)")
     p.add_argument("--throughput", choices=sorted(ACCELERATORS), default=None,
                    help="estimate the tokens a minute this accelerator trains")
     p.add_argument("--mfu", type=finite_number, default=0.35,
@@ -48,10 +51,17 @@ def _parse(argv):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
+    devices = None
+    if args.topology:  # compile-only TPU devices, before anything touches jax.devices()
+        if args.fake_devices:
+            raise S2DError("--topology compiles for its own devices; drop --fake-devices")
+        from s2d_jax.parallel import topology
+        devices = topology.devices(args.topology)
+        print(topology.describe(args.topology, devices))
     fake_cpu_devices(args.fake_devices)  # before anything touches jax.devices()
     from s2d_jax.train.aot import train_step_report
     for line in train_step_report(args.config, args.target, args.overrides, args.throughput,
-                                  args.mfu, int(args.cache_tokens)):
+                                  args.mfu, int(args.cache_tokens), devices):
         print(line)
 
 

@@ -186,6 +186,24 @@ def device_cache_shapes(cfgs, batch: int, max_len: int, mesh=None) -> list[tuple
     return shapes
 
 
+def device_param_shapes(cfgs, mesh=None) -> list[tuple]:
+    """Per-device shape of every parameter of the models `cfgs` (None models skipped)."""
+    shapes = []
+    for cfg in cfgs:
+        if cfg is None:
+            continue
+        for a in jax.tree.leaves(abstract_params(cfg, mesh)):
+            shapes.append(a.sharding.shard_shape(a.shape) if mesh is not None else a.shape)
+    return shapes
+
+
+def round_copy_list(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None):
+    """`round_copies.round_copies` of a compiled generation whose models are `cfgs`."""
+    from s2d_jax.decode.round_copies import round_copies
+    return round_copies(hlo_text, device_cache_shapes(cfgs, batch, max_len, mesh),
+                        device_param_shapes(cfgs, mesh))
+
+
 def loop_cache_traffic(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None) -> dict:
     """`hlo_copies.cache_traffic` of a compiled generation whose models are `cfgs`."""
     return cache_traffic(hlo_text, device_cache_shapes(cfgs, batch, max_len, mesh))

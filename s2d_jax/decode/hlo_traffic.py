@@ -29,6 +29,7 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CONST = re.compile(r"constant\((-?\d+)\)")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
                "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
@@ -183,6 +184,39 @@ def sweep_trips(mod: Module, body: str, cache_shapes) -> int | None:
     return trips
 
 
+def _constant(mod: Module, comp: str, name: str) -> int | None:
+    line = next((i.line for i in mod.instrs[comp] if i.name == name), "")
+    m = _CONST.search(line) if " constant(" in line else None
+    return int(m.group(1)) if m else None
+
+
+def loop_trips(mod: Module, comp: str, ins, cache_shapes) -> int | None:
+    """Iterations of while instruction `ins` in `comp`: XLA:CPU's `known_trip_count`; else
+    (the TPU compiler's HLO has none) its condition's bound, a compare of the counter with a
+    constant or with a tuple element initialised to one; else `sweep_trips` (the
+    attention's block loop). None: unknown."""
+    m = _TRIPS.search(ins.line)
+    if m:
+        return int(m.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", ins.line).group(1)
+    body = re.search(r"body=%?([\w.\-]+)", ins.line).group(1)
+    instrs = {i.name: i for i in mod.instrs.get(cond, [])}
+    root = next((i for i in mod.instrs.get(cond, []) if i.line.lstrip().startswith("ROOT")),
+                None)
+    if root is not None and root.opcode == "compare" and "direction=LT" in root.line:
+        bound = instrs.get(root.operands[1]) if len(root.operands) > 1 else None
+        if bound is not None and bound.opcode == "constant":
+            return _constant(mod, cond, bound.name)
+        if bound is not None and bound.opcode == "get-tuple-element":
+            index = int(re.search(r"index=(\d+)", bound.line).group(1))
+            init = next((i for i in mod.instrs[comp] if i.name == ins.operands[0]), None)
+            if init is not None and init.opcode == "tuple" and index < len(init.operands):
+                n = _constant(mod, comp, init.operands[index])
+                if n is not None:
+                    return n
+    return sweep_trips(mod, body, cache_shapes)
+
+
 @dataclasses.dataclass
 class Traffic:
     """Bytes of one round per device: `lo` (every conditional's cheapest branch) .. `hi`
@@ -228,9 +262,7 @@ def computation_traffic(mod: Module, comp: str, caches) -> Traffic:
             inner = Traffic()
             for c in called:
                 inner.add(computation_traffic(mod, c, caches))
-            m = _TRIPS.search(ins.line)
-            body = re.search(r"body=%?([\w.\-]+)", ins.line).group(1)
-            trips = int(m.group(1)) if m else sweep_trips(mod, body, caches)
+            trips = loop_trips(mod, comp, ins, caches)
             if trips is None:
                 out.guessed_loops += 1
             out.add(inner, trips or 1)

@@ -78,7 +78,9 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     shape = (B, cfg.num_kv_heads, cfg.num_groups, T)
     init = (jnp.full(shape, NEG), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (H,), jnp.float32))
-    carry = jax.lax.fori_loop(0, n_blocks, body, init)
+    # One block covers the cache: no loop (a loop of unknown trip count has no cost in
+    # XLA's cost analysis, round_cost.py reads the cache this way).
+    carry = body(0, init) if C == S else jax.lax.fori_loop(0, n_blocks, body, init)
     if new_kv is not None:  # key t' as slot positions[t'] (dropped past the cache's end)
         kn, vn = (jnp.einsum("BTKH->BKTH", x.astype(q.dtype)) for x in new_kv)
         ok = ((positions[:, None, :] <= positions[:, :, None])

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
-from s2d_jax.model.attention import ATTENTION_BLOCK, attention, cache_attention, causal_mask
+from s2d_jax.model import attention as attention_mod
+from s2d_jax.model.attention import attention, cache_attention, causal_mask
 from s2d_jax.model.block import MATRIX_NAMES, block
 from s2d_jax.model.kvcache import KVCache, write_slots
 from s2d_jax.model.rope import cos_sin
@@ -36,6 +37,9 @@ REMAT_POLICIES = {
 # demo models (<= 1.6M a layer) 0.11 ms unrolled vs 0.19 ms looped (3 layers).
 UNROLL_LAYERS = 4
 UNROLL_MAX_LAYER_PARAMS = 2_000_000
+# The cacheless layer scan (training) as a loop; train/aot.py's compiler step estimate
+# unrolls it (XLA's cost analysis counts a loop body once).
+TRAIN_UNROLL = 1
 
 
 def layer_param_count(cfg: ModelConfig) -> int:
@@ -89,7 +93,7 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
         if remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
         layers = layer_slice(params, start, end) if layers is None else layers
-        return jax.lax.scan(body, h, layers)[0], None
+        return jax.lax.scan(body, h, layers, unroll=TRAIN_UNROLL)[0], None
 
     def attend(q, k, v, kc, vc, li):
         kc, vc = write_slots(kc, vc, li, positions, k, v)
@@ -101,14 +105,15 @@ def run_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.nd
 
 def decode_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
                   start: int, end: int, cache: KVCache, layers: dict | None = None,
-                  attention_block: int = ATTENTION_BLOCK, defer_writes: bool = False):
+                  attention_block: int | None = None, defer_writes: bool = False):
     """Layers `[start, end)` on h [B, T, D] at positions [B, T] with a cache -> (h, cache):
     the new keys/values go to slot == position of layer `start + i` (positions past the
     cache are dropped) and each query attends to every slot <= its position.
 
     `layers`: as in `run_layers` (inside a loop body a slice made here re-executes every
     iteration, a weight copy). `attention_block` (static): slots read per block (>=
-    max_len reads the whole buffer in one). `defer_writes` (static): the cache is only
+    max_len reads the whole buffer in one; default attention.ATTENTION_BLOCK, read per
+    call so a one-round cost compile can read the cache in one block, round_cost.py). `defer_writes` (static): the cache is only
     read and the new keys/values are returned instead, (h, (k, v) [end - start, B, T, K,
     H]), for the caller to write (`kvcache.write_layers`) after a `lax.cond` (a cache
     written inside a cond branch is copied whole on entry to it) and after every read
@@ -116,6 +121,7 @@ def decode_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp
     end = _layer_range(cfg, start, end)
     if start == end:
         return h, cache
+    attention_block = attention_block or attention_mod.ATTENTION_BLOCK
     if defer_writes:
         def read_only(q, k, v, kc, vc, li):
             return cache_attention(q, kc, vc, li, positions, cfg, attention_block, (k, v)), (k, v)

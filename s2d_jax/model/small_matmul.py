@@ -192,8 +192,11 @@ def disabled():
 def for_mesh(mesh):
     """The context a decode function is traced in: XLA's dots when it runs sharded over
     several devices (the partitioner cannot split a custom call: it would gather the
-    weights to every device), the kernel where it may otherwise."""
-    return disabled() if mesh is not None and mesh.devices.size > 1 else contextlib.nullcontext()
+    weights to every device) or on another platform's devices (a compile for a TPU
+    topology, parallel/topology.py, while the default backend is the CPU), the kernel where
+    it may otherwise."""
+    off = mesh is not None and (mesh.devices.size > 1 or mesh.devices.flat[0].platform != "cpu")
+    return disabled() if off else contextlib.nullcontext()
 
 
 def usable(rows: int) -> bool:
