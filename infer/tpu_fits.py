@@ -10,7 +10,7 @@ to --out. ~50 compiles: about half an hour on 2 CPU cores.
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import ArgumentParser, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_output, parse_ints
 from s2d_jax.errors import S2DError, cli_main
 
 TARGETS = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
