@@ -18,7 +18,7 @@ from s2d_jax import env
 from s2d_jax.errors import S2DError
 from test_cli_fuzz import REPO, check_one_error, snapshot
 
-GENERATE = [sys.executable, "-m", "infer.generate", "--target",
+GENERATE = [sys.executable, "-m", "s2d_jax.cli.main", "generate", "--target",
             os.path.join(REPO, "models", "demo", "target-s"), "--method", "ar", "--prompt", "hi",
             "--max-new-tokens", "2", "--chat-template", "none"]
 
@@ -69,7 +69,8 @@ def test_a_cli_run_with_a_bad_variable_is_one_error_line(tmp_path, over, keyword
 
 
 def test_the_engine_default_target_reads_the_checked_root(tmp_path):
-    r = _run([sys.executable, "-m", "train.data_engine", "--work", str(tmp_path / "w")],
+    r = _run([sys.executable, "-m", "s2d_jax.cli.main", "data-engine", "--work",
+              str(tmp_path / "w")],
              {"S2D_JAX_CACHE": "$S2D_NO_SUCH_VAR/x"}, REPO)
     check_one_error(r.returncode, r.stderr, ["S2D_JAX_CACHE", "unexpanded"])
     assert not os.path.exists(tmp_path / "w")
