@@ -19,7 +19,7 @@ from infer.args import (ArgumentParser, check_at_least, check_output_path, check
                         finite_number, parse_floats, parse_ints, path_arg)
 from s2d_jax.errors import S2DError, cli_main
 
-from s2d_jax.decode.defaults import METHODS
+from s2d_jax.decode.defaults import METHODS, needs_draft
 COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
             "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
 
@@ -62,7 +62,7 @@ def parse_args(argv):
 
 def check_args(args) -> list[str] | None:
     """Every check that needs no model; returns the script's lines (None: interactive)."""
-    if args.method in ("sd", "s2d") and args.draft is None:
+    if needs_draft(args.method) and args.draft is None:
         raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
     if args.method == "self" and args.exit is None:
