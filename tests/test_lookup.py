@@ -150,3 +150,30 @@ def test_ladder_draft_cache_holds_the_sequence():
             np.testing.assert_allclose(np.asarray(got[:, b, :, :held[b]]),  # [L, B, K, S, H]
                                        np.asarray(want[:, b, :, :held[b]]), rtol=2e-4,
                                        atol=2e-5)
+
+
+def test_bench_expands_lookup_methods_and_reports_rungs_and_the_ladder_bars():
+    from s2d_jax.bench import runner as bench
+    from s2d_jax.bench.report import ladder_checks, rung_tables
+
+    cal = {"thresholds": [0.0], "gamma": 1, "exits": [2],
+           "ladder": {"exits": [2], "thresholds": [0.0], "gamma": 3, "ngram": [2, 3]}}
+    specs, notes = bench.method_specs(["ar", "lookup", "ladder", "ladder-cal", "lookup-cal"],
+                                      (2, 4), None, 4, cal)
+    assert [s.label for s in specs] == ["ar", "lookup", "ladder", "ladder-cal"]
+    assert specs[1].exits == () and specs[2].exits == (2, 4) and specs[2].gamma == 4
+    assert specs[3].ngram == (2, 3) and specs[3].gamma == 3
+    assert len(notes) == 1 and "lookup-cal skipped" in notes[0]
+    g = {"lookup": {"method": "lookup", "speedup_vs_ar": 1.3,
+                    "per_prompt_tokens_per_second": [13.0, 26.0]},
+         "sd@2": {"method": "sd", "speedup_vs_ar": 1.1,
+                  "per_prompt_tokens_per_second": [11.0, 22.0]},
+         "ladder": {"method": "ladder", "speedup_vs_ar": 1.4,
+                    "per_prompt_tokens_per_second": [14.0, 28.0], "new_tokens": 100,
+                    "target_tokens": 50, "accepted_by_rung": {"lookup": 30, "exit 2": 20},
+                    "lookup_acceptance": 0.5}}
+    checks = ladder_checks("t", g, "sd@2")
+    assert [c["pass"] for c in checks] == [True, True]  # 1.4x; 14/13 = 1.077 vs lookup
+    assert "(lookup)" in checks[1]["check"] and "1.077" in checks[1]["value"]
+    table = rung_tables({"targets": {"t": {"results": {"0.0": g}}}})
+    assert "| ladder | 0.30 | 0.20 | 0.50 | 0.50 |" in table
