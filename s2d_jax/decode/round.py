@@ -29,6 +29,16 @@ compute for all rows, keep the results of rows that need them):
       return the acc tokens (mu_k <= acc <= mu_k + |block| = M_k tokens) and their p_k.
   the target verifies the block of level n-2 the same way, then commit.
 
+Level 0 may start with the lookup rung (lookup.py; methods lookup and ladder): up to
+lookup_len tokens copied from the context after the best earlier match of its last
+tokens, then (ladder) the draft's tokens in the block's remaining slots after them. Its
+tokens are a deterministic function of the context, so they are proposed with the point
+mass q = one-hot(x): the rule below accepts x with probability p(x) and on rejection
+draws from p with x removed and renormalised, which is exactly p; a mixed block (point
+masses, then the draft's q conditioned on them) is one sequence of proposals, each drawn
+from its q given the block before it, with its length (k) fixed by the context before any
+token is drawn: the argument below holds unchanged (docs/design.md, the lookup rung).
+
 Why it is lossless: every token a level k outputs is, given everything before it,
 distributed as p_k (the speculative-sampling guarantee applied at level k), and whether a
 position is proposed at all is decided before its token is drawn; so level k+1 may use
