@@ -177,3 +177,16 @@ def test_bench_expands_lookup_methods_and_reports_rungs_and_the_ladder_bars():
     assert "(lookup)" in checks[1]["check"] and "1.077" in checks[1]["value"]
     table = rung_tables({"targets": {"t": {"results": {"0.0": g}}}})
     assert "| ladder | 0.30 | 0.20 | 0.50 | 0.50 |" in table
+
+
+@pytest.mark.slow
+def test_lookup_under_a_polybasic_chain_equals_ar():
+    """lookup -> an intermediate model (the draft's 3 layers, verifying and accumulating
+    mu = 2) -> the target: still the target's greedy tokens."""
+    dcfg, dparams = draft()
+    dec = Decoder(CFG, target_params(), method="lookup", gamma=2,
+                  intermediates=[(dcfg, dparams)], mus=[2])
+    out = dec.generate(PROMPTS, max_new_tokens=NEW, eos_id=-1)
+    for p, o in zip(PROMPTS, out):
+        assert o["token_ids"] == reference(tuple(p)), p
+    assert sum(o["stats"]["accepted_by_rung"]["lookup"] for o in out) > 0

@@ -17,7 +17,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.decode.checks import check_thresholds
-from s2d_jax.decode.defaults import DEFAULT_NGRAM, METHODS, PROPOSERS
+from s2d_jax.decode.defaults import DEFAULT_NGRAM, METHODS, PROPOSERS, uses_lookup
 from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
 
 KV_FILL = ("calm", "full")
@@ -98,7 +98,7 @@ class SpecConfig:
     @property
     def lookup(self) -> bool:
         """The lowest rung is the lookup (decode/lookup.py)."""
-        return PROPOSERS[self.method][2]
+        return uses_lookup(self.method)
 
     @property
     def lookup_tokens(self) -> int:
