@@ -41,3 +41,15 @@ def test_lookup_proposals_of_every_position_and_the_prediction():
     assert np.isclose(predicted_speedup(lad, sims, costs), 20 / (12.5 + 15 * 0.25))
     assert len(grid([2, 3], [2, 4])) == 5 * 2 + 5 * 2 * (2 + 3)
     assert section(lad, 1.4, 1.5)["exits"] == [2] and lad.label == "ladder_n1-3_g4_l2_e2"
+
+
+def test_calibrate_lookup_cli_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from infer.calibrate_lookup import main
+    from tiny_models import cli_error
+
+    (tmp_path / "t").mkdir()
+    base = ["--target", str(tmp_path / "t"), "--draft", str(tmp_path / "t")]
+    assert "run python -m infer.calibrate first" in cli_error(main, capsys, base)
+    assert "--gammas" in cli_error(main, capsys, base + ["--gammas", "0,2"])
+    assert "does not exist" in cli_error(main, capsys, ["--target", str(tmp_path / "x"),
+                                                        "--draft", str(tmp_path / "t")])
