@@ -4,6 +4,7 @@ the ladder (whose draft's tokens the replay scores with calibrate.exit_stats), a
 prediction ranks on measured costs."""
 
 import numpy as np
+import pytest
 
 from s2d_jax.bench import calibrate
 from s2d_jax.bench.lookup_calibration import (LookupSetting, grid, lookup_proposals,
@@ -12,6 +13,7 @@ from test_engine import CFG, NEW, draft, reference
 from test_lookup import PROMPTS, _decoder
 
 
+@pytest.mark.slow  # three compilations; the calibration's exactness guard
 def test_replay_equals_the_engines_greedy_rounds():
     conts = [reference(tuple(p)) for p in PROMPTS]
     dcfg, dparams = draft()
