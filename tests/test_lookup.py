@@ -190,3 +190,14 @@ def test_lookup_under_a_polybasic_chain_equals_ar():
     for p, o in zip(PROMPTS, out):
         assert o["token_ids"] == reference(tuple(p)), p
     assert sum(o["stats"]["accepted_by_rung"]["lookup"] for o in out) > 0
+
+
+def test_target_setting_of_lookup_needs_no_draft(tmp_path):
+    """A target dir with a serving config: `lookup` resolves without a draft config."""
+    import json
+
+    from s2d_jax.decode.serving_config import SERVING_CONFIG, target_setting
+    (tmp_path / SERVING_CONFIG).write_text(json.dumps(
+        {"thresholds": [0.0], "gamma": 1, "lookup": {"gamma": 3, "ngram": [2, 3]}}))
+    s = target_setting("lookup", str(tmp_path), CFG)
+    assert (s.gamma, s.ngram, s.calibrated) == (3, (2, 3), True)

@@ -260,9 +260,9 @@ def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_e
     exits = draft_exits(draft_extra, draft_cfg) if draft_cfg is not None else ()
     served = None
     if method in ("s2d", "lookup", "ladder"):
-        served = load_serving_config(target, min(target_cfg.max_position_embeddings,
-                                                 *([] if draft_cfg is None else
-                                                   [draft_cfg.max_position_embeddings])))
+        served = load_serving_config(target, min(c.max_position_embeddings
+                                                 for c in (target_cfg, draft_cfg)
+                                                 if c is not None))
     return resolve(method, exits, served, target=target,
                    draft_layers=None if draft_cfg is None else draft_cfg.num_layers,
                    **overrides)
