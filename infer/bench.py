@@ -7,7 +7,9 @@ targets sharing one sorted draft.
 Methods (--methods): ar, sd (one run per draft exit), self (the target's first k layers,
 --self-exit, default the draft's depth), s2d (the paper's 0.5/.../0 thresholds), s2d-cal
 (thresholds and gamma from TARGET_DIR/s2d_serving.json, see infer.calibrate; skipped with
-a note when absent). Every prompt runs every method back to back after a warm-up;
+a note when absent), lookup (prompt lookup: tokens copied from the context, no draft),
+ladder (the lookup, then S2D's exits after its tokens; lookup-cal / ladder-cal: their
+calibrated sections). Every prompt runs every method back to back after a warm-up;
 compilation is excluded from tokens/s. Writes to --out: report.json, report.md (also
 printed), answers/<target>/<method>-T<temperature>.jsonl (Spec-Bench format) and, with
 matplotlib (pip install -e '.[bench]'), speedup.png. --hf-baseline also times HF
@@ -126,8 +128,10 @@ def _check_args(args):
         raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
                        f"{', '.join(METHOD_KINDS)}")
     if args.draft is None and (args.s2d_setting
-                               or any(k in ("sd", "s2d", "s2d-cal") for k in kinds)):
-        raise S2DError("methods sd / s2d / s2d-cal and --s2d-setting need --draft")
+                               or any(k in ("sd", "s2d", "s2d-cal", "ladder", "ladder-cal")
+                                      for k in kinds)):
+        raise S2DError("methods sd / s2d / s2d-cal / ladder / ladder-cal and --s2d-setting "
+                       "need --draft")
     from s2d_jax.bench.runner import parse_s2d_setting
     for text in args.s2d_setting:  # the form now; the exits once the draft is loaded
         parse_s2d_setting(text)

@@ -22,7 +22,7 @@ from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_le
                         parse_ints)
 from s2d_jax.errors import S2DError, cli_main
 
-from s2d_jax.decode.defaults import METHODS
+from s2d_jax.decode.defaults import METHODS, needs_draft
 COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
             "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
 
@@ -65,7 +65,7 @@ def parse_args(argv):
 
 def check_args(args) -> list[str] | None:
     """Every check that needs no model; returns the script's lines (None: interactive)."""
-    if args.method in ("sd", "s2d") and args.draft is None:
+    if needs_draft(args.method) and args.draft is None:
         raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
     if args.method == "self" and args.exit is None:

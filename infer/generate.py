@@ -22,7 +22,7 @@ import sys
 from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least, check_gamma,
                         check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
                         target_paths)
-from s2d_jax.decode.defaults import METHODS
+from s2d_jax.decode.defaults import METHODS, needs_draft
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -98,7 +98,7 @@ def _add_chain_args(ap) -> None:
 
 def check_args(args) -> None:
     """The checks that need no model, run before JAX starts or any file is read."""
-    if args.method in ("sd", "s2d") and args.draft is None:
+    if needs_draft(args.method) and args.draft is None:
         raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
     if args.method == "self" and args.exit is None:
@@ -127,7 +127,7 @@ def build_engine(args, targets: dict[str, str]):
     mesh, shardings = _mesh_and_shardings(args, targets)
     specs = _load_targets(args, targets, tok, shardings)
     draft_cfg = draft_params = draft_tok = extra = None
-    if args.method in ("sd", "s2d"):  # check_args: a draft was given
+    if needs_draft(args.method):  # check_args: a draft was given
         draft_cfg, draft_params, extra, draft_tok = _load_draft(args, specs, shardings)
     exits = _resolve_settings(args, targets, specs, draft_cfg, extra)
     intermediates = _load_intermediates(args, specs)
@@ -194,6 +194,7 @@ def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, ext
             print(settings[name].note, file=sys.stderr)
         s.thresholds = settings[name].thresholds
         s.gamma, s.stop_threshold = settings[name].gamma, settings[name].stop_threshold
+        s.ngram, s.lookup_len = settings[name].ngram, settings[name].lookup_len
     return settings[next(iter(specs))].exits or None
 
 
@@ -206,7 +207,7 @@ def _load_intermediates(args, specs) -> list:
         if args.mu:
             raise S2DError("--mu needs a chain: pass --intermediate and/or --quantize-intermediate")
         return []
-    if args.method not in ("sd", "s2d", "self"):
+    if args.method == "ar":
         raise S2DError(f"method {args.method} has no draft to chain; use --method s2d")
     n_levels = len(args.intermediate) or 1
     n_mus = len(parse_ints(args.mu, "--mu")) if args.mu else n_levels
@@ -238,7 +239,7 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
     from s2d_jax.model.transformer import param_shardings
     from s2d_jax.parallel.multihost import build_mesh, parse_mesh
     paths = {f"target[{name}]": path for name, path in targets.items()}
-    if args.method in ("sd", "s2d") and args.draft:
+    if needs_draft(args.method) and args.draft:
         paths["draft"] = args.draft
     cfgs = {key: stored_model_config(path) for key, path in paths.items()}
     mesh = build_mesh(parse_mesh(args.mesh), cfgs)

@@ -65,7 +65,8 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     tokenizer's own template when it has one (else the text as is after BOS), "vicuna" or
     "none". target / draft: HF dirs, params checkpoints or GGUF files; `~` and `$VARS` are
     expanded. method: "s2d" (escalating over the draft's exits), "sd" (the draft cut at
-    `exit`), "self" (the target's first `exit` layers) or "ar"; s2d's gamma and thresholds
+    `exit`), "self" (the target's first `exit` layers), "lookup" (tokens copied from the
+    context, no draft), "ladder" (the lookup, then the draft's exits) or "ar"; s2d's gamma and thresholds
     default to the target's calibrated `s2d_serving.json` (s2d_jax.decode.chat.load_decoder).
     "summary" is the statistics as one readable line. Loads and compiles on every call:
     keep a `Chat` for a conversation or repeated use.

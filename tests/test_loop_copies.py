@@ -31,7 +31,7 @@ def _cfg(dtype, layers=4):
 
 def _traffic(spec, dtype, draft_layers=3, mid_layers=(), batch=BATCH):
     target = _cfg(dtype)
-    draft = _cfg(dtype, draft_layers) if spec.method != "ar" else None
+    draft = _cfg(dtype, draft_layers) if spec.method not in ("ar", "lookup") else None
     mids = tuple(_cfg(dtype, n) for n in mid_layers)
     shapes = jax.ShapeDtypeStruct
     lowered = engine.generate.lower(
@@ -59,6 +59,11 @@ METHODS = {
     "s2d-3-exits": (SpecConfig(method="s2d", exits=(1, 2, 3), gamma=4, max_len=CONTEXT), ()),
     "chain-3-levels": (SpecConfig(method="s2d", exits=(1, 3), gamma=2, max_len=CONTEXT,
                                   mus=(2,)), (2,)),
+    # the lookup rung reads only the token buffer; the ladder's draft after it widens the
+    # draft's first step, whose keys/values must still be written in place
+    "lookup": (SpecConfig(method="lookup", gamma=4, max_len=CONTEXT), ()),
+    "ladder-2-exits": (SpecConfig(method="ladder", exits=(1, 3), gamma=4, max_len=CONTEXT,
+                                  lookup_len=2), ()),
 }
 
 
@@ -69,7 +74,7 @@ CASES = [(name, "unrolled", BATCH) for name in METHODS] + [
     ("sd-gamma4", "unrolled", 1), ("s2d-3-exits", "unrolled", 1),
     ("sd-gamma4", "looped", BATCH), ("s2d-3-exits", "looped", BATCH)] + [
     pytest.param(name, "looped", BATCH, marks=pytest.mark.slow)
-    for name in ("ar", "sd-gamma1", "s2d-2-exits", "chain-3-levels")]
+    for name in ("ar", "sd-gamma1", "s2d-2-exits", "chain-3-levels", "ladder-2-exits")]
 
 
 @pytest.mark.parametrize("name, layer_loop, batch", CASES)

@@ -36,6 +36,7 @@ def markdown_table(report: dict) -> str:
     out = "\n".join(lines) + "\n"
     out += chain_tables(report)
     out += task_tables(report)
+    out += rung_tables(report)
     out += step_breakdown_tables(report)
     if report.get("acceptance"):
         out += "\nAcceptance checks (greedy):\n\n" + "\n".join(
@@ -224,6 +225,54 @@ def escalation_checks(name: str, g: dict, sd_label: str) -> list[dict]:
     return out
 
 
+def ladder_checks(name: str, g: dict, sd_label: str | None) -> list[dict]:
+    """Issue 42's bars for each ladder run: >= 1.35x AR, and >= 1.05x the better of the
+    lookup alone and the best single-exit SD (paired per-prompt ratio, mean +- s.e.)."""
+    out = []
+    rivals = [k for k in g if g[k]["method"] == "lookup"] + ([sd_label] if sd_label else [])
+    rivals = [k for k in rivals if g[k]["speedup_vs_ar"]]
+    for k, m in g.items():
+        if m["method"] != "ladder" or not m["speedup_vs_ar"]:
+            continue
+        out.append({"check": f"{name} {k}: the ladder >= 1.35x AR",
+                    "value": f"{m['speedup_vs_ar']:.2f}x", "pass": m["speedup_vs_ar"] >= 1.35})
+        if not rivals:
+            continue
+        best = max(rivals, key=lambda r: g[r]["speedup_vs_ar"])
+        pr = paired_ratio(m, g[best])
+        if pr is not None:
+            out.append({"check": f"{name} {k}: the ladder >= 1.05x the better of lookup alone "
+                                 f"and the best single-exit SD ({best})",
+                        "value": f"paired per-prompt ratio {pr[0]:.3f} +- {pr[1]:.3f} (s.e.)",
+                        "pass": pr[0] >= 1.05})
+    return out
+
+
+def rung_tables(report: dict) -> str:
+    """Per target and temperature, for the methods with a lookup rung or several exits:
+    the share of the new tokens each rung proposed and the target accepted (lookup, exit
+    e), and the target's own (a correction or bonus per round)."""
+    out = ""
+    for name, tgt in report["targets"].items():
+        for temp, methods in tgt["results"].items():
+            rows = {k: m for k, m in methods.items() if m.get("accepted_by_rung")
+                    and (m["method"] in ("lookup", "ladder") or len(m["accepted_by_rung"]) > 2)}
+            if not rows:
+                continue
+            rungs = list(dict.fromkeys(r for m in rows.values() for r in m["accepted_by_rung"]))
+            out += (f"\n{name}, T = {temp}: where the new tokens came from (share of all; "
+                    f"lookup acceptance = lookup tokens accepted / proposed)\n\n| method | "
+                    + " | ".join(rungs) + " | target | lookup acceptance |\n|---|"
+                    + "---|" * (len(rungs) + 2) + "\n")
+            for k, m in rows.items():
+                total = m["new_tokens"] or 1
+                cells = [f"{m['accepted_by_rung'].get(r, 0) / total:.2f}" for r in rungs]
+                cells.append(f"{m.get('target_tokens', 0) / total:.2f}")
+                cells.append(_fmt(m.get("lookup_acceptance")))
+                out += f"| {k} | " + " | ".join(cells) + " |\n"
+    return out
+
+
 def _usage(m: dict) -> str:
     return "/".join(f"{u:.2f}" for u in m.get("exit_usage_fraction") or [])
 
@@ -256,6 +305,7 @@ def acceptance_checks(report: dict) -> list[dict]:
             checks.append(calibrated_vs_sd(name, g["s2d-cal"], g[max(sd)[1]], max(sd)[1]))
         if sd:
             checks += escalation_checks(name, g, max(sd)[1])
+        checks += ladder_checks(name, g, max(sd)[1] if sd else None)
         exact = {k: m["exact_match_vs_ar"] for k, m in g.items()}
         checks.append({"check": f"{name}: exact match vs AR = 1.0 for every method",
                        "value": ", ".join(f"{k} {v:.2f}" for k, v in exact.items()),

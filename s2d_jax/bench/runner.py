@@ -22,22 +22,25 @@ import numpy as np
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
 from s2d_jax.decode.checks import check_thresholds
-from s2d_jax.decode.defaults import round_up
+from s2d_jax.decode.defaults import DEFAULT_NGRAM, round_up
 from s2d_jax.decode.serving import Decoder
 from s2d_jax.decode.serving_config import resolve
 from s2d_jax.model.exits import exits_problem
 
-METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal")
+METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal", "lookup", "ladder", "lookup-cal",
+                "ladder-cal")
 
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
     label: str
-    method: str  # engine method: ar / sd / self / s2d
+    method: str  # engine method: ar / sd / self / s2d / lookup / ladder
     exits: tuple[int, ...] = ()
     thresholds: tuple[float, ...] | None = None
     gamma: int = 4
     stop: float = 0.0  # dynamic draft length: stop drafting below this confidence (0 = off)
+    ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
+    lookup_len: int = 0  # the lookup's most tokens (0 = gamma)
 
 
 def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: int | None,
@@ -64,6 +67,16 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
                                    resolve("self", exit=self_exit, gamma=gamma)))
         elif kind == "s2d":
             specs.append(_spec("s2d-0.5", resolve("s2d", exits, gamma=gamma)))
+        elif kind in ("lookup", "ladder"):  # the defaults at --gamma (ladder: 0.5 / ... / 0)
+            specs.append(_spec(kind, resolve(kind, exits, gamma=gamma)))
+        elif kind in ("lookup-cal", "ladder-cal"):
+            method = kind.removesuffix("-cal")
+            setting = resolve(method, exits, calibrated)
+            if setting.calibrated:
+                specs.append(_spec(kind, setting))
+            else:
+                notes.append(f"{kind} skipped: no fitting {method!r} section in the target's "
+                             f"s2d_serving.json (python -m infer.calibrate --lookup)")
         elif calibrated is None:
             notes.append("s2d-cal skipped: no s2d_serving.json in the target dir "
                          "(run python -m infer.calibrate)")
@@ -78,7 +91,7 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
 
 def _spec(label: str, setting) -> MethodSpec:
     return MethodSpec(label, setting.method, setting.exits, setting.thresholds, setting.gamma,
-                      setting.stop_threshold)
+                      setting.stop_threshold, setting.ngram, setting.lookup_len)
 
 
 def parse_s2d_setting(text: str, draft_exits: Sequence[int] | None = None) -> MethodSpec:
@@ -140,7 +153,8 @@ def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
             draft_params=draft_params, exits=s.exits, gamma=max(s.gamma, 1),
             thresholds=list(s.thresholds) if s.thresholds else None,
             target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-            prompt_width=prompt_width, stop_threshold=s.stop)
+            prompt_width=prompt_width, stop_threshold=s.stop, ngram=s.ngram,
+            lookup_len=s.lookup_len)
     return out
 
 
@@ -274,6 +288,11 @@ def _aggregate(rows: list[dict]) -> dict:
     usage = np.sum([r["stats"]["exit_usage"] for r in rows], axis=0) if rows else np.zeros(0)
     usage = usage.tolist() if np.ndim(usage) else []
     prefill = [r.get("prefill_seconds") for r in rows]
+    rungs: dict = {}  # accepted tokens by the rung that proposed them (lookup, exit e)
+    for r in rows:
+        for rung, n in r["stats"].get("accepted_by_rung", {}).items():
+            rungs[rung] = rungs.get(rung, 0) + n
+    lookup_proposed = sum(r["stats"].get("lookup_proposed", 0) for r in rows)
     return {"new_tokens": tokens, "seconds": seconds,
             "prefill_seconds": (sum(prefill) if rows and None not in prefill else None),
             "tokens_per_second": tokens / seconds if seconds > 0 else None,
@@ -282,7 +301,12 @@ def _aggregate(rows: list[dict]) -> dict:
             "exit_usage": usage,
             "exit_usage_fraction": ([u / sum(usage) for u in usage] if usage and sum(usage)
                                     else []),
-            "draft_steps_per_round": sum(usage) / rounds if rounds and usage else 0.0}
+            "draft_steps_per_round": sum(usage) / rounds if rounds and usage else 0.0,
+            "accepted_by_rung": rungs,
+            # tokens the target made itself (a correction or bonus per round): the rest
+            "target_tokens": rounds,
+            "lookup_acceptance": (rungs.get("lookup", 0) / lookup_proposed
+                                  if lookup_proposed else None)}
 
 
 def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
@@ -311,7 +335,8 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                     "prompts": len(idx), "tokens_per_second": c_agg["tokens_per_second"],
                     "speedup_vs_ar": (c_agg["tokens_per_second"] / c_ar["tokens_per_second"]
                                       if c_ar and c_agg["tokens_per_second"] else None),
-                    "mean_accepted_tokens": c_agg["mean_accepted_tokens"]}
+                    "mean_accepted_tokens": c_agg["mean_accepted_tokens"],
+                    "accepted_by_rung": c_agg["accepted_by_rung"]}
             entry = {**agg, "speedup_vs_ar": speed, "exact_match_vs_ar": exact,
                      "per_category": per_cat, "method": by_label[label].method,
                      # per prompt, for paired comparisons of two methods (same prompts)
@@ -321,7 +346,10 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                      "exits": list(by_label[label].exits), "gamma": by_label[label].gamma,
                      "thresholds": (list(by_label[label].thresholds)
                                     if by_label[label].thresholds else None),
-                     "stop_threshold": by_label[label].stop}
+                     "stop_threshold": by_label[label].stop,
+                     **({"ngram": list(by_label[label].ngram),
+                         "lookup_len": by_label[label].lookup_len or by_label[label].gamma}
+                        if by_label[label].method in ("lookup", "ladder") else {})}
             entry.update(predict(entry, costs, label, str(t), len(rows),
                                  ar_agg["prefill_seconds"] if ar_agg else None))
             res[label] = entry

@@ -6,7 +6,7 @@ sampler loop is `self` of its jitted loop: two generations compile the same prog
 their Chains are equal. It is built, and checked, once (by `Decoder`, the AOT setup or a
 test); the round, the engine and the cost probes read their configs from it.
 
-Levels: 0 = the draft (None for `ar`, cut to its deepest exit: its cache holds only those
+Levels: 0 = the draft (None for `ar` and `lookup`, cut to its deepest exit: its cache holds only those
 layers), 1 .. n-2 = the intermediate models of a polybasic chain (one per `spec.mus`),
 n-1 = the target.
 """
@@ -40,8 +40,9 @@ class Chain:
         if len(self.mids) != len(spec.mus):
             raise S2DError(f"got {len(spec.mus)} mu value(s) for {len(self.mids)} intermediate "
                            f"model(s); pass one mu per intermediate")
-        if spec.method == "ar":
+        if spec.method in ("ar", "lookup"):  # no draft model: an empty block / the context
             object.__setattr__(self, "draft", None)
+            self._check_vocab()
             return
         if self.draft is None:
             raise S2DError(f"method {spec.method} needs a draft model; pass --draft")
@@ -50,15 +51,18 @@ class Chain:
         if problem:
             raise S2DError(f"exits {list(spec.exits)} do not fit the draft: {problem}; pick "
                            f"increasing exits <= {depth}")
-        for what, cfg in [("draft", self.draft)] + [(f"intermediate {i}", c)
-                                                   for i, c in enumerate(self.mids)]:
-            if cfg.vocab_size != self.target.vocab_size:
-                raise S2DError(f"{what} vocab_size {cfg.vocab_size} differs from the target's "
-                               f"vocab_size {self.target.vocab_size}; use a model with the "
-                               f"target's tokenizer")
+        self._check_vocab()
         if depth != spec.exits[-1]:  # the draft's cache needs only the layers drafted with
             object.__setattr__(self, "draft",
                                dataclasses.replace(self.draft, num_layers=spec.exits[-1]))
+
+    def _check_vocab(self):
+        for what, cfg in [("draft", self.draft)] + [(f"intermediate {i}", c)
+                                                   for i, c in enumerate(self.mids)]:
+            if cfg is not None and cfg.vocab_size != self.target.vocab_size:
+                raise S2DError(f"{what} vocab_size {cfg.vocab_size} differs from the target's "
+                               f"vocab_size {self.target.vocab_size}; use a model with the "
+                               f"target's tokenizer")
 
     @property
     def cfgs(self) -> tuple:

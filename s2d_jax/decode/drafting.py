@@ -163,10 +163,12 @@ def _no_step(like: tuple, kv_shape: tuple, max_len: int):
 
 def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarray,
                 start: jnp.ndarray, key: jax.Array, rows: jnp.ndarray, dp: DecodeParams,
-                spec: SpecConfig, limit: jnp.ndarray | None = None):
+                spec: SpecConfig, limit: jnp.ndarray | None = None, window: int | None = None):
     """Propose up to gamma tokens after the sequences work[b, :start[b]], one draft_token
     step each, for the rows that need them (`rows` [B]; other rows compute and are ignored).
     `limit` [B]: a row needs at most this many (the room left in the buffer, round.py).
+    `window` (static): the tokens the first step feeds, default the chain's catch-up window
+    (num_levels); the ladder widens it by the lookup's tokens placed before `start`.
 
     Returns (tokens [B, G], q [B, G, V] their distributions, count [B] proposed,
     exit index [B, G], cache).
@@ -182,7 +184,8 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     # The first step feeds the last n tokens (the catch-up window, round.py). Positions
     # are clamped to the buffer: only finished rows can reach past it, and a larger
     # position would change dynamic-NTK rope (batch max position) for every row.
-    pos_w = jnp.maximum((start - n)[:, None] + jnp.arange(n, dtype=jnp.int32), 0)
+    W = n if window is None else window
+    pos_w = jnp.maximum((start - W)[:, None] + jnp.arange(W, dtype=jnp.int32), 0)
     tok_w = jnp.take_along_axis(work, pos_w, axis=1)
     d0, q0, e0, c0, kv0, cache = step(cache, tok_w, pos_w, jax.random.fold_in(key, 0))
     cache = write_layers(cache, 0, *kv0)

@@ -2,7 +2,8 @@
 speculative round (round.py: propose, verify, commit).
 
 Autoregressive decoding (`ar`, gamma = 0: the round is one target step), vanilla SD
-(`sd`), early-exit self-speculation (`self`), S2D (`s2d`) and polybasic chains
+(`sd`), early-exit self-speculation (`self`), S2D (`s2d`), prompt lookup (`lookup`: no
+draft model), the ladder (`ladder`: the lookup, then S2D's exits) and polybasic chains
 (`spec.mus` non-empty, intermediate models in `mid_params`) all run this same code; only
 the static Chain (chain.py: the configs, the SpecConfig, the mesh) and the params differ.
 
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.decode.chain import Chain
+from s2d_jax.decode.defaults import needs_draft
 from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.round import check_done, one_round
 from s2d_jax.decode.sampling import probs_from_logits, sample
@@ -95,7 +97,7 @@ def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams,
                  mid_params=(), *, chain: Chain) -> GenState:
     """Run rounds until every row is done or `max_rounds` (traced) more rounds ran."""
     stop_at = state.round + max_rounds
-    if chain.spec.method in ("sd", "s2d"):  # not self: that would copy the target's layers
+    if needs_draft(chain.spec.method):  # not self: that would copy the target's layers
         draft_params = with_exit_segments(draft_params, chain.spec.exits)
     params = (draft_params,) + tuple(mid_params) + (target_params,)
 

@@ -29,6 +29,16 @@ compute for all rows, keep the results of rows that need them):
       return the acc tokens (mu_k <= acc <= mu_k + |block| = M_k tokens) and their p_k.
   the target verifies the block of level n-2 the same way, then commit.
 
+Level 0 may start with the lookup rung (lookup.py; methods lookup and ladder): up to
+lookup_len tokens copied from the context after the best earlier match of its last
+tokens, then (ladder) the draft's tokens in the block's remaining slots after them. Its
+tokens are a deterministic function of the context, so they are proposed with the point
+mass q = one-hot(x): the rule below accepts x with probability p(x) and on rejection
+draws from p with x removed and renormalised, which is exactly p; a mixed block (point
+masses, then the draft's q conditioned on them) is one sequence of proposals, each drawn
+from its q given the block before it, with its length (k) fixed by the context before any
+token is drawn: the argument below holds unchanged (docs/design.md, the lookup rung).
+
 Why it is lossless: every token a level k outputs is, given everything before it,
 distributed as p_k (the speculative-sampling guarantee applied at level k), and whether a
 position is proposed at all is decided before its token is drawn; so level k+1 may use
@@ -68,6 +78,7 @@ from flax import struct
 
 from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.drafting import draft_block
+from s2d_jax.decode.lookup import lookup_block, point_mass
 from s2d_jax.decode.sampling import probs_from_logits, speculative_verify
 from s2d_jax.decode.state import DecodeParams, GenState, RoundStats, SpecConfig
 from s2d_jax.model import transformer as model
@@ -92,7 +103,8 @@ class Proposal:
 
     q: jnp.ndarray  # f32 [B, M, V] the distribution each token was drawn from
     count: jnp.ndarray  # i32 [B] tokens proposed (a prefix of the M slots)
-    exit_idx: jnp.ndarray | None = None  # i32 [B, M] the draft's exit per token
+    exit_idx: jnp.ndarray | None = None  # i32 [B, M] the draft's exit per token (-1: lookup)
+    lookup_count: jnp.ndarray | None = None  # i32 [B] the first ones are the lookup's
 
 
 @struct.dataclass
@@ -124,21 +136,49 @@ def _rows(x):
 
 
 def _draft(ctx: RoundCtx, rows, draft_params, dp, chain: Chain):
-    """Level 0's block: the draft's proposal after ctx.end, written to work."""
+    """Level 0's block after ctx.end, written to work: the lookup's tokens (lookup,
+    ladder), then the draft's (sd, self, s2d; ladder: in the slots the lookup left)."""
     spec = chain.spec
     key = jax.random.fold_in(ctx.key, 0)
     if spec.num_levels > 2:
         key = jax.random.fold_in(key, ctx.calls[0])
     limit = room(ctx.end, spec)
-    tokens, q, count, exit_idx, cache = draft_block(draft_params, chain.draft, ctx.caches[0],
-                                                    ctx.work, ctx.end, key, rows, dp, spec,
-                                                    limit)
-    count = jnp.minimum(count, limit)  # the first token is drafted even without room
-    slots = ctx.end[:, None] + jnp.arange(spec.gamma)
-    work = ctx.work.at[_rows(tokens), slots].set(tokens, mode="drop")
+    B, G = ctx.work.shape[0], spec.gamma
+    g = jnp.arange(G)[None, :]
+    k = jnp.zeros((B,), jnp.int32)
+    work = ctx.work
+    if spec.lookup:  # rung 0: a point mass on the tokens that followed the best match
+        looked, k, _ = lookup_block(work, ctx.end, spec.lookup_tokens, *spec.ngram)
+        k = jnp.minimum(k, limit)
+        looked = jnp.pad(looked, ((0, 0), (0, G - spec.lookup_tokens)))
+        slots = jnp.where(g < k[:, None], ctx.end[:, None] + g, work.shape[1])
+        work = work.at[_rows(looked), slots].set(looked, mode="drop")
+        if chain.draft is None:  # lookup alone
+            q = point_mass(looked, chain.target.vocab_size)
+            ctx = ctx.replace(work=work, calls=ctx.calls.at[0].add(1))
+            return ctx, Proposal(q, k, jnp.full((B, G), -1, jnp.int32), k)
+    # The draft after the lookup's k tokens (k = 0 without the rung). Its first step feeds
+    # those k tokens too (a window k_max wider): its cache then holds every position
+    # before its block, whichever rung the round took.
+    start = ctx.end + k
+    window = spec.num_levels + (spec.lookup_tokens if spec.lookup else 0)
+    tokens, q_d, count, exit_idx, cache = draft_block(
+        draft_params, chain.draft, ctx.caches[0], work, start, key, rows, dp, spec,
+        jnp.minimum(limit, G) - k, window)
+    count = jnp.minimum(count, jnp.minimum(limit, G) - k)  # the first is drafted even without room
+    slots = start[:, None] + g
+    work = work.at[_rows(tokens), slots].set(tokens, mode="drop")
     ctx = ctx.replace(work=work, caches=(cache,) + tuple(ctx.caches[1:]),
                       calls=ctx.calls.at[0].add(1))
-    return ctx, Proposal(q, count, exit_idx)
+    if not spec.lookup:
+        return ctx, Proposal(q_d, count, exit_idx)
+    # Block slot i: the lookup's point mass for i < k, else the draft's slot i - k.
+    from_draft = g >= k[:, None]
+    src = jnp.clip(g - k[:, None], 0, G - 1)
+    q_d = jnp.take_along_axis(q_d, src[..., None], axis=1)
+    q = jnp.where(from_draft[..., None], q_d, point_mass(looked, q_d.shape[-1]))
+    exit_idx = jnp.where(from_draft, jnp.take_along_axis(exit_idx, src, axis=1), -1)
+    return ctx, Proposal(q, k + count, exit_idx, k)
 
 
 def _block_of(level: int, ctx: RoundCtx, rows, params: tuple, dp, chain: Chain):
@@ -214,7 +254,8 @@ def verify(ctx: RoundCtx, level: int, block: Proposal, rows, params, dp: DecodeP
 
     stats = ctx.stats.add_verification(level, n, block.count, rows)
     if level == 1 and M > 0:  # the draft's own statistics, as seen by its verifier
-        stats = stats.add_draft_block(n, block.count, block.exit_idx, rows)
+        stats = stats.add_draft_block(n, block.count, block.exit_idx, rows,
+                                      block.lookup_count)
     caches = tuple(ctx.caches[:level]) + (cache,) + tuple(ctx.caches[level + 1:])
     ctx = ctx.replace(caches=caches, calls=ctx.calls.at[level].add(1), stats=stats)
     return ctx, Verdict(n, nxt, p)

@@ -20,7 +20,8 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.decode import engine
 from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
-from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
+from s2d_jax.decode.defaults import (DEFAULT_NGRAM, PROPOSERS, buffer_len, eos_id_or_default,
+                                     needs_draft, prompt_width)
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
 from s2d_jax.errors import S2DError
 
@@ -38,7 +39,7 @@ def _check_tokenizers(draft_tokenizer, target_tokenizer, name: str) -> None:
 
 def _method_exits(method: str, exits, draft_cfg) -> tuple:
     """The exits a method drafts with: none for ar, the draft's full depth by default."""
-    if method == "ar":
+    if method in PROPOSERS and not PROPOSERS[method][1]:  # ar, lookup: no exits
         return ()
     if exits:
         return tuple(exits)
@@ -49,12 +50,13 @@ def _method_exits(method: str, exits, draft_cfg) -> tuple:
 
 def build_chain(target_cfg: ModelConfig, *, method: str, draft_cfg: ModelConfig | None,
                 exits, gamma: int, confidence: str, kv_fill: str, mid_cfgs=(), mus=None,
-                mesh=None, name: str = "target") -> Chain:
+                mesh=None, name: str = "target", ngram=DEFAULT_NGRAM,
+                lookup_len: int = 0) -> Chain:
     """The static Chain of one target under one method (buffer length a placeholder:
     Decoder.prepare sizes it per batch); every setting is checked here, once."""
     if method == "self":
         draft_cfg = target_cfg
-    if method in ("sd", "s2d") and draft_cfg is None:
+    if method in PROPOSERS and needs_draft(method) and draft_cfg is None:
         raise S2DError(f"method {method} needs a draft model; pass --draft")
     mid_cfgs = tuple(mid_cfgs)
     if mid_cfgs and method == "ar":
@@ -63,7 +65,8 @@ def build_chain(target_cfg: ModelConfig, *, method: str, draft_cfg: ModelConfig 
     try:
         spec = SpecConfig(method=method, exits=_method_exits(method, exits, draft_cfg),
                           gamma=gamma if method != "ar" else 0, max_len=16,
-                          confidence=confidence, kv_fill=kv_fill, mus=mus)
+                          confidence=confidence, kv_fill=kv_fill, mus=mus,
+                          ngram=tuple(ngram), lookup_len=lookup_len)
         return Chain(draft_cfg, mid_cfgs, target_cfg, spec, mesh)
     except S2DError as e:
         raise S2DError(f"target {name!r}: {e}") from None
@@ -99,16 +102,18 @@ class Decoder:
                  confidence: str = "max_prob", kv_fill: str = "calm", target_tokenizer=None,
                  draft_tokenizer=None, name: str = "target", mesh=None,
                  intermediates: Sequence[tuple[ModelConfig, object]] = (),
-                 mus: Sequence[int] | None = None, stop_threshold: float = 0.0):
+                 mus: Sequence[int] | None = None, stop_threshold: float = 0.0,
+                 ngram: Sequence[int] = DEFAULT_NGRAM, lookup_len: int = 0):
         """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
         chain (round.py) with accumulation lengths `mus` (default: gamma per level).
         `stop_threshold`: the default dynamic draft length (a row stops drafting after a
-        token whose confidence is below it; 0 = always gamma tokens)."""
+        token whose confidence is below it; 0 = always gamma tokens). `ngram`, `lookup_len`:
+        the lookup rung's n range and most tokens (lookup, ladder; SpecConfig)."""
         _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds,
                             confidence, kv_fill, name, mus, stop_threshold)
         if method == "self":
             draft_params, draft_tokenizer = target_params, None
-        if method in ("sd", "s2d"):
+        if method in PROPOSERS and needs_draft(method):
             if draft_params is None:
                 raise S2DError(f"method {method} needs a draft model; pass --draft")
             _check_tokenizers(draft_tokenizer, target_tokenizer, name)
@@ -117,9 +122,9 @@ class Decoder:
         self.chain = build_chain(target_cfg, method=method, draft_cfg=draft_cfg, exits=exits,
                                  gamma=gamma, confidence=confidence, kv_fill=kv_fill,
                                  mid_cfgs=[c for c, _ in intermediates], mus=mus, mesh=mesh,
-                                 name=name)
+                                 name=name, ngram=ngram, lookup_len=lookup_len)
         self.target_params = target_params
-        self.draft_params = None if method == "ar" else draft_params
+        self.draft_params = draft_params if self.chain.draft is not None else None
         self.mid_params = tuple(p for _, p in intermediates)
         self.thresholds = check_thresholds(thresholds, self.chain.spec.exits)
         self.stop_threshold = check_stop_threshold(stop_threshold)
@@ -283,6 +288,13 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                 "acceptance_rate_per_position": [
                     float(a) / float(p) if p else None for a, p in zip(st.accepted_at[b], proposed)],
                 "exit_usage": st.exit_counts[b].tolist(),
+                # the rung each accepted token came from (lookup, ladder: the report's split)
+                "accepted_by_rung": {"lookup": int(st.lookup_accepted[b]),
+                                     **{f"exit {e}": int(n) for e, n in
+                                        zip(spec.exits, st.exit_accepted[b])}},
+                "lookup_proposed": int(st.lookup_proposed[b]),
+                "ngram": list(spec.ngram) if spec.lookup else None,
+                "lookup_len": spec.lookup_tokens if spec.lookup else None,
                 # the readable statistics (decode/stats_line.py): what one target forward
                 # bought, and which exit drafted how many tokens, how many of them kept
                 "target_calls": calls,
@@ -316,6 +328,8 @@ class TargetSpec:
     thresholds: Sequence[float] | None = None
     tokenizer: object = None
     stop_threshold: float = 0.0  # dynamic draft length (Decoder), 0 = off
+    ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
+    lookup_len: int = 0  # its most tokens (0 = gamma)
 
 
 class Engine:
@@ -338,7 +352,8 @@ class Engine:
                           thresholds=t.thresholds, confidence=confidence, kv_fill=kv_fill,
                           target_tokenizer=t.tokenizer, draft_tokenizer=draft_tokenizer,
                           name=name, mesh=mesh, intermediates=intermediates, mus=mus,
-                          stop_threshold=t.stop_threshold)
+                          stop_threshold=t.stop_threshold, ngram=t.ngram,
+                          lookup_len=t.lookup_len)
             for name, t in targets.items()}
 
     @property

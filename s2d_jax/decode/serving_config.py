@@ -18,7 +18,7 @@ import os
 from typing import Sequence
 
 from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
-from s2d_jax.decode.defaults import max_gamma
+from s2d_jax.decode.defaults import DEFAULT_NGRAM, max_gamma
 from s2d_jax.errors import S2DError
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.io.atomic import write_atomic
@@ -66,7 +66,28 @@ def load_serving_config(target_dir: str, context: int | None = None) -> dict | N
         raise S2DError(f"{path}: gamma {gamma} does not fit the context of the models "
                        f"({context} positions, max_position_embeddings); rerun python -m "
                        f"infer.calibrate or set gamma <= {max_gamma(context)}")
+    for method in ("lookup", "ladder"):  # the lookup rung's calibrated sections, optional
+        if method in cfg and not _lookup_section_ok(cfg[method], method, context):
+            raise S2DError(f"{path}: its {method!r} section is not valid (needs 'gamma': an "
+                           f"integer >= 1 that fits the context, 'ngram': [MIN, MAX] with 1 "
+                           f"<= MIN <= MAX <= 16, 'lookup_len' in [0, gamma]"
+                           f"{', thresholds per exit' if method == 'ladder' else ''}); "
+                           f"{rerun}")
     return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
+
+
+def _lookup_section_ok(sec, method: str, context: int | None) -> bool:
+    try:
+        g, (lo, hi) = sec["gamma"], sec.get("ngram", DEFAULT_NGRAM)
+        ok = (_is_count(g) and all(isinstance(n, int) for n in (lo, hi)) and 1 <= lo <= hi <= 16
+              and 0 <= sec.get("lookup_len", 0) <= g
+              and (context is None or g <= max_gamma(context)))
+        if ok and method == "ladder":
+            check_thresholds(sec["thresholds"], sec.get("exits") or sec["thresholds"])
+            check_stop_threshold(sec.get("stop_threshold", 0.0))
+        return ok
+    except (KeyError, TypeError, ValueError, S2DError):
+        return False
 
 
 def _is_count(x) -> bool:
@@ -132,6 +153,8 @@ class DecodeSetting:
     stop_threshold: float
     calibrated: bool = False
     note: str | None = None
+    ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
+    lookup_len: int = 0  # its most tokens (0 = gamma)
 
 
 def calibrated_exits(served: dict, draft_exits: Sequence[int]) -> tuple[int, ...]:
@@ -164,6 +187,9 @@ def resolve(method: str, draft_exits: Sequence[int] = (), served: dict | None = 
     thresholds are given and the exits are the calibrated ones. Otherwise thresholds are
     the paper's, gamma DEFAULT_GAMMA and the stop 0."""
     note, use = None, None
+    if method in ("lookup", "ladder"):
+        return _resolve_lookup(method, draft_exits, served, exits=exits, thresholds=thresholds,
+                               gamma=gamma, stop_threshold=stop_threshold)
     if method == "ar":
         exits = ()
     elif method == "self":
@@ -194,6 +220,36 @@ def resolve(method: str, draft_exits: Sequence[int] = (), served: dict | None = 
                          float(stop_threshold), use is not None, note)
 
 
+def _resolve_lookup(method, draft_exits, served, *, exits, thresholds, gamma,
+                    stop_threshold) -> DecodeSetting:
+    """lookup / ladder: the calibrated section served[method] (infer.calibrate --methods
+    lookup,ladder) when it has one and no override contradicts it (a ladder's exits must
+    fit the draft, calibration_fits), else the defaults: the n range DEFAULT_NGRAM, lookup
+    length gamma, the draft's exits with the paper's thresholds."""
+    cal = (served or {}).get(method)
+    if cal is not None and method == "ladder" and (
+            not calibration_fits(cal, draft_exits) or (exits and tuple(exits) !=
+                                                      calibrated_exits(cal, draft_exits))
+            or thresholds is not None):
+        cal = None
+    if cal is not None and gamma is not None and gamma != cal["gamma"]:
+        cal = None  # another gamma: the calibrated lookup length may not fit it
+    if method == "lookup":
+        exits, thresholds = (), None
+    else:
+        exits = tuple(int(e) for e in (exits or (calibrated_exits(cal, draft_exits) if cal
+                                                 else draft_exits)))
+        if thresholds is None:
+            thresholds = cal["thresholds"] if cal else paper_thresholds(len(exits))
+    use = cal or {}
+    return DecodeSetting(
+        method, exits, None if thresholds is None else tuple(float(t) for t in thresholds),
+        int(gamma if gamma is not None else use.get("gamma", DEFAULT_GAMMA)),
+        float(stop_threshold if stop_threshold is not None else use.get("stop_threshold", 0.0)),
+        cal is not None, None, tuple(use.get("ngram", DEFAULT_NGRAM)),
+        int(use.get("lookup_len", 0)))
+
+
 def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_extra=None,
                    **overrides) -> DecodeSetting:
     """resolve() for a loaded target (its path, for its s2d_serving.json) and draft (its
@@ -203,9 +259,10 @@ def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_e
 
     exits = draft_exits(draft_extra, draft_cfg) if draft_cfg is not None else ()
     served = None
-    if method == "s2d":
-        served = load_serving_config(target, min(target_cfg.max_position_embeddings,
-                                                 draft_cfg.max_position_embeddings))
+    if method in ("s2d", "lookup", "ladder"):
+        served = load_serving_config(target, min(c.max_position_embeddings
+                                                 for c in (target_cfg, draft_cfg)
+                                                 if c is not None))
     return resolve(method, exits, served, target=target,
                    draft_layers=None if draft_cfg is None else draft_cfg.num_layers,
                    **overrides)

@@ -17,7 +17,7 @@ from s2d_jax.errors import S2DError
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.model.kvcache import KVCache
 from s2d_jax.decode.checks import check_thresholds
-from s2d_jax.decode.defaults import METHODS
+from s2d_jax.decode.defaults import DEFAULT_NGRAM, METHODS, PROPOSERS, uses_lookup
 from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
 
 KV_FILL = ("calm", "full")
@@ -35,6 +35,10 @@ class SpecConfig:
     kv_fill: how layers skipped by an early exit get keys/values, see drafting.py.
     mus: one accumulation length mu_k >= 1 per intermediate level of a polybasic chain
       (draft -> intermediate_1 -> ... -> target, round.py); () = two-level S2D.
+    lookup (the lowest rung copies from the context, decode/lookup.py) and ladder (the
+      lookup's tokens, then the sorted draft's `exits` after them): ngram = (n_min, n_max)
+      the suffix lengths matched; lookup_len the most tokens the lookup proposes (0 =
+      gamma; ladder: the draft drafts the rest of the gamma slots after them).
     """
 
     method: str = "s2d"
@@ -44,6 +48,8 @@ class SpecConfig:
     confidence: str = "max_prob"
     kv_fill: str = "calm"
     mus: tuple[int, ...] = ()
+    ngram: tuple[int, int] = DEFAULT_NGRAM
+    lookup_len: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -66,6 +72,10 @@ class SpecConfig:
             return
         if self.gamma < 1:
             raise S2DError(f"gamma must be >= 1 for method {self.method}, got {self.gamma}")
+        self._check_lookup()
+        if not PROPOSERS[self.method][1]:  # lookup: no exits to draft with
+            object.__setattr__(self, "exits", ())
+            return
         problem = exits_problem(self.exits)
         if problem:
             raise S2DError(f"exits must be increasing positive layer counts, got "
@@ -74,6 +84,26 @@ class SpecConfig:
         object.__setattr__(self, "exits", exits)
         if self.method in ("sd", "self") and len(exits) != 1:
             raise S2DError(f"method {self.method} uses exactly one exit (--exit), got {exits}")
+
+    def _check_lookup(self):
+        ngram = tuple(int(n) for n in self.ngram)
+        object.__setattr__(self, "ngram", ngram)
+        if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1] <= 16:
+            raise S2DError(f"the lookup's n range must be MIN,MAX with 1 <= MIN <= MAX <= 16, "
+                           f"got {list(ngram)}")
+        if not 0 <= self.lookup_len <= self.gamma:
+            raise S2DError(f"the lookup length must lie in [0, gamma = {self.gamma}] (0 = "
+                           f"gamma), got {self.lookup_len}")
+
+    @property
+    def lookup(self) -> bool:
+        """The lowest rung is the lookup (decode/lookup.py)."""
+        return uses_lookup(self.method)
+
+    @property
+    def lookup_tokens(self) -> int:
+        """Most tokens the lookup rung proposes in a block."""
+        return self.lookup_len or self.gamma
 
     @property
     def num_exits(self) -> int:
@@ -138,6 +168,10 @@ class RoundStats:
     level_accepted: jnp.ndarray  # i32 [B, n-1] tokens level k accepted from level k-1
     level_proposed: jnp.ndarray  # i32 [B, n-1] tokens level k-1 proposed to level k
     level_calls: jnp.ndarray  # i32 [B, n-1] forwards of level k the row took part in
+    # the rung of each token level 1 accepted (the ladder's report): exit i, or the lookup
+    exit_accepted: jnp.ndarray  # i32 [B, num_exits] drafted tokens of exit i accepted
+    lookup_proposed: jnp.ndarray  # i32 [B] tokens the lookup rung proposed to level 1
+    lookup_accepted: jnp.ndarray  # i32 [B] of them accepted
 
     @classmethod
     def zeros(cls, batch: int, spec: SpecConfig) -> "RoundStats":
@@ -145,7 +179,8 @@ class RoundStats:
         n = spec.num_levels
         return cls(rounds=z(), round_tokens=z(), accepted_at=z(spec.gamma),
                    proposed_at=z(spec.gamma), exit_counts=z(spec.num_exits),
-                   level_accepted=z(n - 1), level_proposed=z(n - 1), level_calls=z(n - 1))
+                   level_accepted=z(n - 1), level_proposed=z(n - 1), level_calls=z(n - 1),
+                   exit_accepted=z(spec.num_exits), lookup_proposed=z(), lookup_accepted=z())
 
     def add_verification(self, level: int, accepted, proposed, rows) -> "RoundStats":
         """Level `level` (>= 1) took part for `rows` and accepted `accepted` [B] of the
@@ -156,16 +191,27 @@ class RoundStats:
                             level_proposed=self.level_proposed + hot * (proposed * live)[:, None],
                             level_calls=self.level_calls + hot * live[:, None])
 
-    def add_draft_block(self, accepted, proposed, exit_idx, rows) -> "RoundStats":
+    def add_draft_block(self, accepted, proposed, exit_idx, rows,
+                        lookup_count=None) -> "RoundStats":
         """The draft's block as its verifier saw it: per position proposed / accepted, and
-        the exit each proposed token was kept at (exit_idx [B, gamma])."""
+        the exit each proposed token was kept at (exit_idx [B, gamma]; -1: a lookup
+        token, the first lookup_count [B] of the block)."""
         g = jnp.arange(exit_idx.shape[1])[None, :]
         was_proposed = rows[:, None] & (g < proposed[:, None])
+        was_accepted = was_proposed & (g < accepted[:, None])
         exit_hot = jax.nn.one_hot(exit_idx, self.exit_counts.shape[1], dtype=jnp.int32)
-        return self.replace(
-            accepted_at=self.accepted_at + (was_proposed & (g < accepted[:, None])).astype(jnp.int32),
+        out = self.replace(
+            accepted_at=self.accepted_at + was_accepted.astype(jnp.int32),
             proposed_at=self.proposed_at + was_proposed.astype(jnp.int32),
-            exit_counts=self.exit_counts + jnp.sum(exit_hot * was_proposed[..., None], axis=1))
+            exit_counts=self.exit_counts + jnp.sum(exit_hot * was_proposed[..., None], axis=1),
+            exit_accepted=self.exit_accepted + jnp.sum(exit_hot * was_accepted[..., None],
+                                                       axis=1))
+        if lookup_count is None:
+            return out
+        live = rows.astype(jnp.int32)
+        return out.replace(
+            lookup_proposed=self.lookup_proposed + lookup_count * live,
+            lookup_accepted=self.lookup_accepted + jnp.minimum(accepted, lookup_count) * live)
 
     def add_round(self, active, added) -> "RoundStats":
         """One round ended: `added` [B] tokens committed by the `active` [B] rows."""

@@ -33,6 +33,16 @@ def stats_line(stats: dict, show_compile: bool = True) -> str:
 def _draft_part(stats: dict) -> str:
     if stats.get("method") == "ar":
         return "no draft (ar)"
+    if stats.get("method") in ("lookup", "ladder"):  # the lookup rung, then the exits' part
+        looked = stats.get("lookup_proposed") or 0
+        part = (f"looked up {looked} tokens in the context, "
+                f"{(stats.get('accepted_by_rung') or {}).get('lookup', 0)} of them accepted")
+        if stats["method"] == "lookup":
+            return part
+        drafted = {k: n for k, n in (stats.get("accepted_by_rung") or {}).items()
+                   if k != "lookup"}
+        return part + "; the draft's accepted: " + (", ".join(
+            f"{n} by {k}" for k, n in drafted.items()) or "none")
     by_exit = {e: n for e, n in (stats.get("drafted_by_exit") or {}).items() if n}
     if not by_exit:
         return "nothing drafted"

@@ -1,0 +1,95 @@
+"""Calibrate the lookup rung for a target: the n range, lookup length and gamma of `lookup`,
+and of the `ladder` also the draft exit it climbs to; adds the "lookup" and "ladder"
+sections to TARGET_DIR/s2d_serving.json (written by python -m infer.calibrate first).
+
+    python -m infer.calibrate_lookup --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \\
+        --draft models/smollm2-draft --questions data/spec_bench_question.jsonl --max-prompts 12
+
+Every setting (n range x gamma, and for the ladder x lookup length x exit) is replayed on
+the target's greedy answers and predicted by Lemma 3.1 from round costs timed inside the
+decode loop; the --top best predicted of each method are measured against AR (interleaved,
+median of --repeats passes) and the fastest exact one is written
+(s2d_jax/bench/lookup_calibration.py). The methods lookup-cal / ladder-cal of infer.bench
+and --method lookup / ladder of infer.generate then use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from s2d_jax.cli.args import ArgumentParser, add_input, target_paths
+from s2d_jax.errors import S2DError, cli_main
+
+
+def parse_args(argv):
+    ap = ArgumentParser(prog="python -m infer.calibrate_lookup", description=__doc__)
+    add_input(ap, "--target", required=True, metavar="[NAME=]DIR", type=str, paths=target_paths,
+                    help="the target to calibrate (its s2d_serving.json must exist)")
+    add_input(ap, "--draft", required=True,
+                    help="its sorted draft (the ladder's upper rungs)")
+    add_input(ap, "--questions", default="data/demo_calibration.jsonl",
+                    help="calibration prompts (default: the demo family's dev set)")
+    ap.add_argument("--max-prompts", type=int, default=16, help="prompts to use at most")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="new tokens per answer at most")
+    ap.add_argument("--gammas", default="2,3,4,5", help="block lengths to try")
+    ap.add_argument("--top", type=int, default=3,
+                    help="best predicted settings of each method measured against AR")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes over the prompts (per prompt the median)")
+    ap.add_argument("--cost-samples", type=int, default=3,
+                    help="timed samples of every round-cost probe")
+    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
+                    help="auto: the tokenizer's own template, else none (default auto)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute and weight dtype")
+    ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
+    return ap.parse_args(argv)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    from s2d_jax.cli.args import parse_ints, parse_targets
+    (name, path), = parse_targets([args.target]).items()
+    for what, p in (("target", path), ("draft", args.draft)):
+        if not os.path.exists(p):
+            raise S2DError(f"{what} dir {p} does not exist")
+    gammas = sorted(set(parse_ints(args.gammas, "--gammas", minimum=1)))
+    if min(args.max_prompts, args.top, args.repeats, args.cost_samples) < 1 \
+            or args.max_new_tokens < 2:
+        raise S2DError("--max-prompts, --top, --repeats and --cost-samples must be >= 1, "
+                       "--max-new-tokens >= 2")
+    from s2d_jax.decode.serving_config import (load_serving_config, serving_config_path,
+                                               write_serving_config)
+    served = load_serving_config(path)
+    if served is None:
+        raise S2DError(f"{serving_config_path(path)} does not exist; run python -m "
+                       f"infer.calibrate first (the lookup's sections sit beside S2D's setting)")
+
+    from s2d_jax.bench.calibration import CalibrateOptions, Calibration
+    from s2d_jax.bench.lookup_calibration import calibrate_lookup
+    opts = CalibrateOptions(draft=args.draft, questions=args.questions,
+                            max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
+                            gammas=tuple(gammas), repeats=args.repeats,
+                            cost_samples=args.cost_samples, chat_template=args.chat_template,
+                            dtype=args.dtype)
+    found = calibrate_lookup(Calibration(opts, name, path), top=args.top)
+    for row in found["rows"]:
+        print(f"{name}: {row['setting']}: predicted {row['predicted_speedup']:.2f}x, measured "
+              f"{row['measured_speedup']:.2f}x vs AR, MAT {row['measured_mat']:.2f}"
+              f"{'' if row['exact'] else ' (NOT exact: dropped)'}")
+    from s2d_jax.readers import read_text
+    record = json.loads(read_text(serving_config_path(path), "serving config"))
+    for method in ("lookup", "ladder"):
+        if method in found:
+            record[method] = found[method]
+            print(f"{name}: {method}: {json.dumps(found[method])}")
+    if not args.dry_run:
+        print(f"wrote {write_serving_config(path, record)}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
