@@ -98,7 +98,7 @@ KINDS = {
     "kv_fill": "choice", "name": "text", "mus": "ints>=1", "targets": "targets",
     "target_params": "opaque", "draft_params": "opaque", "shardings": "opaque",
     "target_tokenizer": "opaque", "draft_tokenizer": "opaque", "mesh": "opaque",
-    "intermediates": "opaque",
+    "intermediates": "opaque", "ngram": "ints>=1", "lookup_len": "int>=0",
 }
 # the same name, another meaning in one place
 KIND_OF = {("Engine.generate", "target"): "target_name", ("Decoder", "gamma"): "int>=0"}

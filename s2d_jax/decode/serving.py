@@ -23,6 +23,7 @@ from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
 from s2d_jax.decode.defaults import (DEFAULT_NGRAM, PROPOSERS, buffer_len, eos_id_or_default,
                                      needs_draft, prompt_width)
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
+from s2d_jax import validate
 from s2d_jax.errors import S2DError
 
 
@@ -111,6 +112,8 @@ class Decoder:
         the lookup rung's n range and most tokens (lookup, ladder; SpecConfig)."""
         _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds,
                             confidence, kv_fill, name, mus, stop_threshold)
+        validate.integers_list(ngram, "ngram", 1)  # its order and span: SpecConfig
+        validate.integer(lookup_len, "lookup_len", 0)
         if method == "self":
             draft_params, draft_tokenizer = target_params, None
         if method in PROPOSERS and needs_draft(method):
