@@ -2,7 +2,9 @@
 a small bf16 S2D generation (head dim 128, as the real models) updates its caches in
 place on TPU, every copy of a round is classified, and the check finds a planted cache
 copy (a loop that keeps the last version of its cache beside the new one). Skipped where
-libtpu is not installed (`pip install -e '.[tpu]'`; the `test` extra installs it)."""
+libtpu is not installed (`pip install -e '.[tpu]'`, or as CI does: libtpu in a folder of its
+own named by S2D_LIBTPU_PATH, the library file, given to the child as TPU_LIBRARY_PATH; an
+environment with libtpu installed prints its warnings in every CPU process)."""
 
 import importlib.util
 import os
@@ -12,8 +14,11 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                reason="libtpu (the TPU compiler) is not installed")
+LIBTPU = os.environ.get("S2D_LIBTPU_PATH", "")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None
+                                and not os.path.isfile(LIBTPU),
+                                reason="libtpu (the TPU compiler) is not installed and "
+                                       "S2D_LIBTPU_PATH names no libtpu.so")
 
 # Run in a child: the topology path sets TPU_SKIP_MDS_QUERY / JAX_PLATFORMS before JAX
 # starts, and this test process's JAX already runs on 8 fake CPU devices.
@@ -59,7 +64,8 @@ else:
 def _run(arg):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, arg], cwd=ROOT, capture_output=True,
                           text=True, timeout=600,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                               **({"TPU_LIBRARY_PATH": LIBTPU} if LIBTPU else {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return eval(proc.stdout.strip().splitlines()[-1])  # the summary dict: kind -> (n, bytes)
 
