@@ -97,7 +97,9 @@ def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams,
                  mid_params=(), *, chain: Chain) -> GenState:
     """Run rounds until every row is done or `max_rounds` (traced) more rounds ran."""
     stop_at = state.round + max_rounds
-    if needs_draft(chain.spec.method):  # not self: that would copy the target's layers
+    # not self: that would copy the target's layers; a streamed decode splits them once
+    # (split_draft) instead of in every chunk
+    if needs_draft(chain.spec.method) and "exit_segments" not in draft_params:
         draft_params = with_exit_segments(draft_params, chain.spec.exits)
     params = (draft_params,) + tuple(mid_params) + (target_params,)
 
@@ -130,3 +132,14 @@ def _jit_per_chain(fn, **jit_kw):
 generate = _jit_per_chain(_generate)
 prefill = _jit_per_chain(_prefill)
 decode_chunk = _jit_per_chain(_decode_loop, donate_argnames=("state",))
+
+
+def _split_draft(draft_params, *, chain: Chain):
+    """The draft's exit segments, sliced once for a streamed decode's many chunks (each
+    chunk would otherwise copy the draft's layers again)."""
+    if needs_draft(chain.spec.method) and "exit_segments" not in draft_params:
+        return with_exit_segments(draft_params, chain.spec.exits)
+    return draft_params
+
+
+split_draft = _jit_per_chain(_split_draft)

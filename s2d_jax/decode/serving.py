@@ -251,6 +251,7 @@ def run_streamed(chain: Chain, args: tuple, loop_args: tuple,
     calling on_chunk(state) between chunks; the prefill timed on its own."""
     t0 = time.perf_counter()
     first = engine.prefill.lower(*args, chain=chain).compile()
+    loop_args = (engine.split_draft(loop_args[0], chain=chain),) + tuple(loop_args[1:])
     chunk = engine.decode_chunk.lower(jax.eval_shape(lambda: first(*args)), *loop_args,
                                       chain=chain).compile()
     compile_s = time.perf_counter() - t0
