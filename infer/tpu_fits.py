@@ -25,9 +25,9 @@ def _parse(argv):
     p.add_argument("--targets", default=",".join(TARGETS), metavar="NAMES",
                    help="comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--chips", default="v5e,v5p,v6e", help="chip generations")
-    p.add_argument("--methods", default="ar,sd,s2d")
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--methods", default="ar,sd,s2d", help="decode methods, comma-separated")
+    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=4096, help="context length of every row")
     return p.parse_args(argv)
 
 

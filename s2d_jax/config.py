@@ -183,6 +183,8 @@ def normalize_dtype(dtype) -> str:
     """'bfloat16' / jnp.bfloat16 / np.float32 ... -> one of DTYPES, else S2DError."""
     if isinstance(dtype, bool) or isinstance(dtype, (int, float)):
         name = None  # np.dtype(0) is a float64 by accident, not a choice
+    elif isinstance(dtype, str):
+        name = dtype  # by its name only: numpy would read "e" or "f2" as float16
     else:
         try:  # numpy parses strings as dtype specs: "," is a SyntaxError there
             name = np.dtype(dtype).name

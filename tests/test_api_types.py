@@ -184,7 +184,7 @@ def test_every_public_parameter_has_a_kind():
 def test_wrong_values_are_refused_with_one_error(demo, fn_name, param, kind):
     fn, valid = _api(demo)[fn_name]
 
-    @settings(max_examples=12, deadline=None, database=None,
+    @settings(max_examples=12, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture,
                                      HealthCheck.too_slow])
     @given(value=WRONG[kind])
