@@ -52,9 +52,9 @@ class Terminal:
         os.close(slave)
         self.seen = ""
 
-    def read_until(self, pattern: str, after: int = 0) -> int:
+    def read_until(self, pattern: str, after: int = 0, timeout: float = TIMEOUT) -> int:
         """Read until `pattern` (a regex) appears past offset `after`; -> the offset past it."""
-        end = time.time() + TIMEOUT
+        end = time.time() + timeout
         while time.time() < end:
             m = re.compile(pattern).search(self.seen, after)
             if m:
@@ -91,9 +91,18 @@ def test_ctrl_c_stops_the_answer_and_history_recalls_the_line(tmp_path):
         at = term.read_until(r"ROMEO:", at)
         term.send("\r")
         at = term.read_until(r"\]\s*\r?\n.*you> ", term.read_until(r"assistant> ", at))
-        term.send("\x03")
-        at = term.read_until(r"Ctrl-C again", at)
-        term.send("\x03")
+        # CPython's readline loses a SIGINT that lands between drawing the prompt and
+        # waiting for input (the handler runs, the wait does not wake): a user presses again
+        for attempt in range(4):
+            term.send("\x03")
+            try:
+                at = term.read_until(r"Ctrl-C again", at, timeout=20 if attempt < 3 else TIMEOUT)
+                break
+            except AssertionError:
+                if attempt == 3:
+                    raise
+        if term.proc.poll() is None:  # (a slow hint may follow two presses: then it is gone)
+            term.send("\x03")
         assert term.proc.wait(timeout=60) == 0, term.seen[-2000:]
     finally:
         if term.proc.poll() is None:
