@@ -79,7 +79,10 @@ def shipped_file(rel: str) -> str | None:
         return path
     try:
         from importlib.resources import files
-        path = str(files(SHIPPED_DIRS[head]).joinpath(*rest.split("/")))
+        path = files(SHIPPED_DIRS[head])
+        for part in rest.split("/"):  # one part at a time: a namespace package's path
+            path = path.joinpath(part)  # takes one (Python 3.11)
+        path = str(path)
     except (ModuleNotFoundError, TypeError):
         return None
     return path if os.path.isfile(path) else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
+import os
 
 import pytest
 
@@ -154,3 +155,33 @@ def test_calibrate_defaults_are_the_librarys(commands):
             assert action.default == value, (option, action.default, value)
             checked.append(option)
     assert {"--questions", "--max-prompts", "--repeats", "--dtype"} <= set(checked)
+
+
+def test_old_spellings_still_work():
+    """bench's --targets and --self-exit, the names before the one definition, still parse
+    (the test above keeps them out of every other command)."""
+    from infer.bench import parse_args
+    old = parse_args(["--targets", "t=models/demo/target-s", "--self-exit", "2",
+                      "--methods", "ar"])
+    new = parse_args(["--target", "t=models/demo/target-s", "--exit", "2", "--methods", "ar"])
+    assert (old.targets, old.self_exit) == (new.targets, new.self_exit) == (
+        ["t=models/demo/target-s"], 2)
+
+
+def test_default_input_files_are_found_from_any_directory(commands, tmp_path, monkeypatch):
+    """A default such as --questions data/demo_questions.jsonl names a file the project
+    ships: it is found outside the clone's root too (s2d_jax/env.py shipped_file)."""
+    from s2d_jax.cli.args import model_arg
+    monkeypatch.chdir(tmp_path)
+    checked = 0
+    for command, actions in commands.items():
+        for option, a in actions.items():
+            if (not hasattr(a, "s2d_input") or not isinstance(a.default, str) or not a.default
+                    or a.type is model_arg):  # models by name: s2d_jax.env.MODEL_NAMES
+                continue
+            value = a.type(a.default) if callable(a.type) else a.default
+            paths = a.s2d_input(value)
+            for path in [paths] if isinstance(paths, str) else paths:
+                assert os.path.isabs(path) and os.path.isfile(path), (command, option, path)
+                checked += 1
+    assert checked >= 8  # bench's and calibrate's questions, the engine's files, ...
