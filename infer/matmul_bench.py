@@ -27,8 +27,9 @@ def parse_args(argv=None):
     if args.repeats < 1:
         raise S2DError(f"--repeats must be >= 1, got {args.repeats}")
     if not 0 <= args.cache_position <= args.max_len - max(args.rows):
-        raise S2DError(f"--cache-position {args.cache_position} leaves no room for {max(args.rows)} tokens "
-                       f"in --max-len {args.max_len}; lower --cache-position or raise --max-len")
+        raise S2DError(f"--cache-position {args.cache_position} leaves no room for "
+                       f"{max(args.rows)} tokens in --max-len {args.max_len}; lower "
+                       f"--cache-position or raise --max-len")
     return args
 
 

@@ -116,7 +116,7 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     assert "no chain results" in err(["--bench-report", str(rep), "--only-target", "s"])
     assert "no chain results at T=1" in err(["--bench-report", str(rep),
                                               "--only-temperature", "1"])
-    assert "select results of a --report" in err(BASE + ["--target", "l"])
+    assert "select results of a --bench-report" in err(BASE + ["--only-target", "l"])
 
 
 def test_report_with_a_broken_chain_entry_is_one_line(capsys, tmp_path):
