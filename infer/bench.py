@@ -86,7 +86,7 @@ def parse_args(argv):
     add(ap, "--out", CMD, kind=DIR)
     args = ap.parse_args(argv)
     if args.mu is not None:  # generate's form (one per intermediate); a bench chain has one
-        mu = parse_ints(args.mu, "--mu", minimum=1)
+        mu = parse_ints(args.mu, "--mu")  # its range: _check_chains
         if len(mu) != 1:
             raise S2DError(f"--mu {args.mu}: a bench chain has one intermediate; give one "
                            f"length, e.g. --mu 4")

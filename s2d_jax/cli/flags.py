@@ -68,8 +68,7 @@ _SEVERAL_TARGETS = variant(
     "to the one its 'target' field names",
     type=str, nargs="+", metavar="[NAME=]MODEL",
     help=f"the target model(s): HF dirs, params checkpoints or .gguf files, each "
-         f"{TARGET_NAME}; "
-         "NAME= names one (default: the dir's name)")
+         f"{TARGET_NAME}; NAME= names one (default: the dir's name)")
 _NAMED_TARGET = variant(
     "calibration reports and settings name the target (NAME=, default the dir's name)",
     type=str, metavar="[NAME=]MODEL",
