@@ -176,11 +176,11 @@ def section(s: LookupSetting, measured: float, predicted: float | None) -> dict:
 
 
 def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
-    """cal: a bench.calibration.Calibration (target, draft, prompts loaded). -> {"lookup":
+    """cal: a calibration.Calibration (target, draft, prompts loaded). -> {"lookup":
     section, "ladder": section, "rows": every measured setting}. Costs are probed, the
     grid replayed on AR's greedy trajectories, the `top` best predicted settings of each
     method measured against AR in one interleaved run, the fastest exact one kept."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     from s2d_jax.bench import runner as bench
 
     exits = list(cal.exits)
@@ -214,7 +214,7 @@ def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
         f"against AR")
     decs = {"ar": ar["ar"], **cal.build([method_spec(r["setting"]) for r in picked])}
     per = cal.run(decs)
-    from s2d_jax.bench.calibration import _speedups
+    from s2d_jax.calibration.calibration import _speedups
     speed = _speedups(per)
     out = {"rows": []}
     for r in picked:

@@ -124,7 +124,7 @@ class Calibration:
         probe_settings: (exits, gamma) of the settings measured; their round-cost probes
         and AR's are timed afresh after every cost_every-th prompt (so costs and runs see
         the same machine, as in the benchmark) and replace those settings' costs."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         keys = list(dict.fromkeys(calibrate.setting_key(e, g) for e, g in probe_settings))
         self.ensure_probes(keys)
         probes = [self.probes[k] for k in ["ar"] + keys] if keys else []
@@ -145,7 +145,7 @@ class Calibration:
         return _speedups(per)
 
     def measure_stats_and_costs(self) -> None:
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         self.log(f"[{self.name}] greedy AR trajectories on {len(self.prompts)} prompts")
         ar = self.build([self.ar_spec])
         ar_runs = self.run(ar, repeats=1)["ar"]
@@ -173,7 +173,7 @@ class Calibration:
         """Compile a round-cost probe for every setting key without one (sampled
         cost_samples times unless `sample` is False), so a setting measured for real is
         predicted from its own costs, not derived ones."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         from s2d_jax.bench import runner as bench
         missing = [k for k in dict.fromkeys(keys) if k not in self.probes]
         if not missing:
@@ -199,7 +199,7 @@ class Calibration:
         import gc
 
         import jax
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         keep = {"ar"} | {calibrate.setting_key(e, g) for e, g in settings}
         self.probes = {k: p for k, p in self.probes.items() if k in keep}
         jax.clear_caches()
@@ -213,7 +213,7 @@ class Calibration:
     def add_one_step_costs(self, decoder, exits, gamma) -> None:
         """Round costs of a decoder with a draft stop (its probe also times one-step
         rounds), for predictions of that setting with a stop."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         key = calibrate.setting_key(exits, gamma)
         self.probes[key] = self.probe(decoder)
         self._sample(key)
@@ -221,7 +221,7 @@ class Calibration:
     def predicted(self, thresholds, gamma, exits, stop=0.0, measured=None) -> dict:
         """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts);
         `measured`: (the setting's, AR's) prefill seconds in the run it is compared with."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         pre, ar_pre = measured or (None, None)
         p = calibrate.predict_config(self.stats, self.costs, thresholds, gamma, exits, stop,
                                      prefill_s=pre, ar_prefill_s=ar_pre)
