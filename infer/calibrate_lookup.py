@@ -82,7 +82,8 @@ def main(argv=None):
               f"{'' if row['exact'] else ' (NOT exact: dropped)'}")
     from s2d_jax.readers import read_text
     record = json.loads(read_text(serving_config_path(path), "serving config"))
-    for method in ("lookup", "ladder"):
+    from s2d_jax.decode.methods import methods_where
+    for method in methods_where(lookup=True):
         if method in found:
             record[method] = found[method]
             print(f"{name}: {method}: {json.dumps(found[method])}")

@@ -29,6 +29,7 @@ import numpy as np
 
 from s2d_jax.bench import theory
 from s2d_jax.bench.exit_stats import ExitStats, exit_stats  # noqa: F401 (part of this API)
+from s2d_jax.decode.methods import DEFAULT_GAMMA
 from s2d_jax.errors import S2DError
 
 
@@ -202,7 +203,7 @@ def finalists(rows: list[dict], k: int) -> list[dict]:
     return out
 
 
-def pick_setting(rows: list[dict], min_gain: float, default_gamma: int = 4,
+def pick_setting(rows: list[dict], min_gain: float, default_gamma: int = DEFAULT_GAMMA,
                  key: str = "measured_speedup") -> dict:
     """The setting closest to the default (one exit, `default_gamma`) among those within
     the factor 1 + min_gain (about the run-to-run noise) of the fastest by `key`: fewest

@@ -9,6 +9,7 @@ import dataclasses
 import sys
 from typing import Callable
 
+from s2d_jax.decode.methods import BASELINE, DEFAULT_GAMMA
 from s2d_jax.errors import S2DError
 
 COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
@@ -54,11 +55,12 @@ class Calibration:
         self.opts, self.name, self.path, self.log = opts, name, path, log
         self.gammas = sorted(opts.gammas)
         # The paper's gamma, also the default one keeps unless another measurably pays.
-        self.paper_gamma = 4 if 4 in self.gammas else self.gammas[len(self.gammas) // 2]
+        self.paper_gamma = (DEFAULT_GAMMA if DEFAULT_GAMMA in self.gammas
+                            else self.gammas[len(self.gammas) // 2])
         self._load()
         self.paper = resolve("s2d", self.exits, None, gamma=self.paper_gamma)
         self._fit_buffer()
-        self.ar_spec = bench.MethodSpec("ar", "ar", gamma=0)
+        self.ar_spec = bench.MethodSpec.of(BASELINE, resolve(BASELINE))
 
     def _load(self) -> None:
         """The prompts, target, draft and the draft's exits."""
@@ -164,7 +166,7 @@ class Calibration:
         for _ in range(self.opts.cost_samples):
             for p in self.probes.values():
                 p.sample()
-        probed = {key: p.result() for key, p in self.probes.items() if key != "ar"}
+        probed = {key: p.result() for key, p in self.probes.items() if key != BASELINE}
         self.costs = {"ar": self.probes["ar"].result(),
                       "settings": calibrate.derive_subset_costs(probed, self.exits,
                                                                 self.gammas)}
