@@ -93,10 +93,14 @@ def setting_of(setting: DecodeSetting | None, draft_cfg: ModelConfig | None,
                            f"already holds them")
         return setting
     method = given.pop("method", "s2d")
-    validate.model_setting(method, METHODS, given.get("gamma"), given.get("thresholds"),
-                           None, given.get("exits") or None)
-    if "exits" in given and not given["exits"]:
+    validate.choice(method, "method", METHODS)
+    validate.integer(given.get("gamma"), "gamma", 0, optional=True)  # 0: AR's, none drafted
+    validate.numbers_list(given.get("thresholds"), "thresholds", 0.0, 1.0, optional=True)
+    validate.integers_list(given.get("ngram"), "ngram", 1, optional=True)
+    validate.integer(given.get("lookup_len"), "lookup_len", 0, optional=True)
+    if isinstance(given.get("exits"), (tuple, list)) and not given["exits"]:
         given.pop("exits")  # () = none given (a method without exits takes none)
+    validate.integers_list(given.get("exits"), "exits", 1, optional=True)
     depth = () if draft_cfg is None else (draft_cfg.num_layers,)
     return resolve(method, depth, None, draft_layers=draft_cfg and draft_cfg.num_layers,
                    **given)
@@ -120,10 +124,10 @@ class Decoder:
         resolve's defaults for the rest. `intermediates` = [(cfg, params), ...] between
         draft and target make a polybasic chain (round.py) with accumulation lengths `mus`
         (default: gamma per level)."""
+        _check_decoder_args(target_cfg, draft_cfg, confidence, kv_fill, name, mus)
         setting = setting_of(setting, draft_cfg, method=method, exits=exits, gamma=gamma,
                              thresholds=thresholds, stop_threshold=stop_threshold,
                              ngram=ngram, lookup_len=lookup_len)
-        _check_decoder_args(target_cfg, draft_cfg, confidence, kv_fill, name, mus)
         row = setting.proposer
         if row.self_draft:
             draft_params, draft_tokenizer = target_params, None
