@@ -24,7 +24,7 @@ import sys
 
 from s2d_jax.cli.args import (ArgumentParser, add_fake_devices_flag, add_input, check_at_least,
                         check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
-from s2d_jax.decode.methods import METHODS, method_order, proposer
+from s2d_jax.decode.methods import DEFAULT_GAMMA, METHODS, method_order, proposer
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -137,7 +137,7 @@ def _setting(args, target, draft, exits, given_exits):
     return setting
 
 
-def _print_models(mesh_cfg, mesh, target, draft, setting):
+def _print_models(mesh_cfg, mesh, target, draft, exits, setting):
     devices = list(mesh.devices.flat)
     print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
           f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
@@ -145,8 +145,8 @@ def _print_models(mesh_cfg, mesh, target, draft, setting):
           f"params, {target.param_dtype})")
     if draft is not None:
         print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
-              f"params), method {setting.method}, exits {list(setting.exits)}, gamma "
-              f"{setting.gamma}")
+              f"params), exits {list(setting.exits or exits)}, gamma "
+              f"{setting.gamma or DEFAULT_GAMMA}")
 
 
 def _check_hlo(args, compiled, cfgs, batch, mesh):
@@ -269,7 +269,7 @@ def main(argv=None):
     setting = _setting(args, target, draft, draft_exits, exits)
     cfgs = {"target": target} if draft is None else {"target": target, "draft": draft}
     mesh = build_mesh(mesh_cfg, cfgs, devices=tpu)
-    _print_models(mesh_cfg, mesh, target, draft, setting)
+    _print_models(mesh_cfg, mesh, target, draft, draft_exits, setting)
     run_draft = draft if setting.proposer.needs_draft else None
     options = {} if args.raw_cpu_passes or tpu else accelerator_like_options([target, draft])
     if options:
