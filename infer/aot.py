@@ -131,9 +131,8 @@ def _setting(args, target, draft, exits, given_exits):
                       draft_layers=draft.num_layers if row.needs_draft else None)
     if setting.note:
         print(setting.note, file=sys.stderr)
-    if row.proposes:
-        check_gamma(setting.gamma, args.context, "the cache", source="--context",
-                    given=args.gamma is not None)
+    if row.proposes and args.gamma is None:
+        check_gamma(setting.gamma, args.context, "the cache", source="--context", given=False)
     return setting
 
 
@@ -249,6 +248,8 @@ def _acceptances(text: str) -> list[float]:
 def main(argv=None):
     args = _parse(argv)
     check_at_least(args, {"gamma": 1, "context": 4, "prompt_len": 1, "draft_layers": 1})
+    if args.gamma is not None:  # before JAX starts (a calibrated one: _setting)
+        check_gamma(args.gamma, args.context, "the cache", source="--context")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch, "--batch", minimum=1)

@@ -148,7 +148,8 @@ def test_tpu_every_method_copies_no_cache():
     (measured ~2 minutes on 2 cores before the lookup rows)."""
     proc = subprocess.run([sys.executable, "-c", SWEEP, "looped,unrolled"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                               **({"TPU_LIBRARY_PATH": LIBTPU} if LIBTPU else {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.startswith(("looped", "unrolled"))]
