@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least,
                         check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
 from s2d_jax.cli.flags import add
+from s2d_jax.decode.methods import DEFAULT_GAMMA, METHODS, method_order, proposer
 from s2d_jax.errors import S2DError, cli_main
 
 CMD = "aot"  # its s2d subcommand: the name its shared flags are defined for
@@ -81,26 +83,55 @@ def _model_cfg(path: str, dtype: str | None):
     return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype) if dtype else cfg
 
 
+def _stored_extra(path: str) -> dict:
+    """A model dir's `s2d_*` settings (a draft's s2d_exits); none for a YAML or a file."""
+    if not os.path.isdir(path):
+        return {}
+    from s2d_jax.io.hf import read_hf_model_config
+    return read_hf_model_config(path)[1]
+
+
 def _models(args, exits):
-    """(target, draft or None, exits) from the flags, the draft cut to its deepest exit."""
+    """(target, draft or None, the draft's exits) from the flags, the draft cut to its
+    deepest exit; its exits are --exits, else --draft-layers, else those stored with it
+    (s2d_exits), else its depth."""
     target = _model_cfg(args.target, args.dtype)
-    if args.method == "ar" and not args.roofline:
-        return target, None, exits
+    row = proposer(args.method)
+    if not row.needs_draft and not args.roofline:
+        return target, None, exits or ()
     if args.draft is None:
-        raise S2DError(f"method {args.method} needs --draft-config" if args.method != "ar"
+        raise S2DError(f"method {args.method} needs --draft-config" if row.needs_draft
                        else "--roofline compares AR with SD and S2D; pass --draft-config")
     draft = _model_cfg(args.draft, args.dtype)
-    layers = args.draft_layers or (exits[-1] if exits else draft.num_layers)
+    from s2d_jax.decode.defaults import draft_exits
+    stored = draft_exits(_stored_extra(args.draft), draft)
+    layers = args.draft_layers or (exits[-1] if exits else stored[-1])
     if not 1 <= layers <= draft.num_layers:
         raise S2DError(f"--draft-layers {layers} is outside 1..{draft.num_layers}")
     draft = dataclasses.replace(draft, num_layers=layers)
-    exits = exits or [layers]
-    if args.method == "sd" and len(exits) != 1:
-        raise S2DError("method sd uses one exit; pass --exits N")
-    return target, draft, exits
+    return target, draft, tuple(exits or ([layers] if args.draft_layers else stored))
 
 
-def _print_models(mesh_cfg, mesh, target, draft, exits, gamma):
+def _setting(args, target, draft, exits, given_exits):
+    """The DecodeSetting compiled: serving_config.resolve's for the flags, the draft's
+    exits and the target's s2d_serving.json (a model dir's), as the API and infer.generate
+    decode the same models."""
+    from s2d_jax.decode.serving_config import load_serving_config, resolve
+    row = proposer(args.method)
+    served = None
+    if row.calibrated and os.path.isdir(args.target):
+        served = load_serving_config(args.target, args.context)
+    setting = resolve(args.method, exits if row.needs_draft else (), served,
+                      exits=given_exits, gamma=args.gamma, target=args.target,
+                      draft_layers=draft.num_layers if row.needs_draft else None)
+    if setting.note:
+        print(setting.note, file=sys.stderr)
+    if row.proposes and args.gamma is None:
+        check_gamma(setting.gamma, args.context, "the cache", source="--context", given=False)
+    return setting
+
+
+def _print_models(mesh_cfg, mesh, target, draft, exits, setting):
     devices = list(mesh.devices.flat)
     print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
           f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
@@ -108,7 +139,8 @@ def _print_models(mesh_cfg, mesh, target, draft, exits, gamma):
           f"params, {target.param_dtype})")
     if draft is not None:
         print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
-              f"params), exits {exits}, gamma {gamma}")
+              f"params), exits {list(setting.exits or exits)}, gamma "
+              f"{setting.gamma or DEFAULT_GAMMA}")
 
 
 def _check_hlo(args, compiled, cfgs, batch, mesh):
@@ -139,32 +171,35 @@ def _check_hlo(args, compiled, cfgs, batch, mesh):
             print(f"    {line}")
 
 
-def _roofline_methods(method, exits) -> list[tuple[str, tuple[int, ...]]]:
-    """(method, exits) the roofline compares: AR, SD at the deepest exit, S2D at `exits`;
-    the compiled --method first (its program is reused)."""
-    wanted = [("ar", ()), ("sd", (exits[-1],)), ("s2d", tuple(exits))]
-    return sorted(wanted, key=lambda m: m[0] != method)
+def _roofline_settings(setting, exits) -> list:
+    """The settings the roofline compares: AR, SD at the deepest exit and S2D at `exits`
+    (tpu_report.ROOFLINE_METHODS) at the compiled setting's gamma, with the compiled
+    setting itself (a lookup / ladder one beside them) first: its program is reused."""
+    from s2d_jax.decode.serving_config import resolve
+    from s2d_jax.decode.tpu_report import ROOFLINE_METHODS
+    return [setting] + [resolve(m, exits, draft_layers=exits[-1], gamma=setting.gamma or None)
+                        for m in ROOFLINE_METHODS if m != setting.method]
 
 
-def _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth):
-    """Per-round traffic of AR, SD and S2D at `batch`, bounded at the device's bandwidth
-    (a bf16 model's traffic from its float32 twin's program, roofline.float32_twin)."""
+def _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth, setting):
+    """Per-round traffic of AR, SD, S2D (and the compiled --method) at `batch`, bounded at
+    the device's bandwidth (a bf16 model's traffic from its float32 twin's program,
+    roofline.float32_twin)."""
     from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_bytes
     from s2d_jax.decode.roofline import (RoundBound, float32_twin, format_roofline,
                                          minimum_round_bytes, scaled)
     (target32, factor), (draft32, _) = float32_twin(target), float32_twin(draft)
     rounds = []
-    for method, ex in _roofline_methods(args.method, exits):
-        setup = GenerateSetup.make(target, draft, ex, batch, args.context, args.prompt_len,
-                                   args.gamma, method)
-        twin = GenerateSetup.make(target32, draft32, ex, batch, args.context, args.prompt_len,
-                                  args.gamma, method)
+    for s in _roofline_settings(setting, exits):
+        d, d32 = (draft, draft32) if s.proposer.needs_draft else (None, None)
+        setup = GenerateSetup.of(target, d, s, batch, args.context, args.prompt_len)
+        twin = GenerateSetup.of(target32, d32, s, batch, args.context, args.prompt_len)
         if compiled is None or factor != 1.0:
             compiled = compile_generate(twin, mesh)[0]
-        rounds.append(RoundBound(method, scaled(round_bytes(compiled, twin, mesh), factor),
-                                 minimum_round_bytes(setup, mesh), args.gamma))
+        rounds.append(RoundBound(s.method, scaled(round_bytes(compiled, twin, mesh), factor),
+                                 minimum_round_bytes(setup, mesh), s.gamma))
         compiled = None
-    rounds.sort(key=lambda r: ["ar", "sd", "s2d"].index(r.method))
+    rounds.sort(key=lambda r: method_order(r.method))
     if factor != 1.0:
         print(f"  (round bytes from the float32 program x {factor:g}: XLA:CPU widens 16-bit "
               f"weights to f32 before each matmul, which accelerators do not)")
@@ -208,7 +243,8 @@ def _acceptances(text: str) -> list[float]:
 def main(argv=None):
     args = _parse(argv)
     check_at_least(args, {"gamma": 1, "context": 4, "prompt_len": 1, "draft_layers": 1})
-    check_gamma(args.gamma, args.context, "the cache", source="--context")
+    if args.gamma is not None:  # before JAX starts (a calibrated one: _setting)
+        check_gamma(args.gamma, args.context, "the cache", source="--context")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
@@ -225,17 +261,19 @@ def main(argv=None):
                        f"pass --bandwidth GB/s or a preset name")
     fake_cpu_devices(args.fake_devices)
     from s2d_jax.parallel.multihost import build_mesh
-    target, draft, exits = _models(args, exits)
+    target, draft, draft_exits = _models(args, exits)
+    setting = _setting(args, target, draft, draft_exits, exits)
     cfgs = {"target": target} if draft is None else {"target": target, "draft": draft}
     mesh = build_mesh(mesh_cfg, cfgs, devices=tpu)
-    _print_models(mesh_cfg, mesh, target, draft, exits, args.gamma)
+    _print_models(mesh_cfg, mesh, target, draft, draft_exits, setting)
+    run_draft = draft if setting.proposer.needs_draft else None
     options = {} if args.raw_cpu_passes or tpu else accelerator_like_options([target, draft])
     if options:
         print("note: CPU compile with the bf16->f32 weight-convert hoisting disabled, so temp "
               "models a GPU/TPU (bf16 matmuls); --raw-cpu-passes shows the CPU's own")
     for batch in batches:
-        setup = GenerateSetup.make(target, draft, exits or (), batch, args.context,
-                                   args.prompt_len, args.gamma, args.method)
+        setup = GenerateSetup.of(target, run_draft, setting, batch, args.context,
+                                 args.prompt_len)
         compiled, t_lower, t_compile = compile_generate(setup, mesh, options)
         print(f"batch {batch}, context {args.context}, prompt {setup.prompt_len}: lower "
               f"{t_lower:.1f} s, compile {t_compile:.1f} s; per-device memory:")
@@ -244,13 +282,16 @@ def main(argv=None):
         _check_hlo(args, compiled, list(cfgs.values()), batch, mesh)
         if args.roofline and tpu:
             from s2d_jax.decode.tpu_report import method_setups, tpu_round_lines
-            setups = method_setups(target, draft, exits, batch, args.context, args.prompt_len,
-                                   args.gamma)
-            for line in tpu_round_lines(setups, mesh, (args.method, compiled), bandwidth,
+            setups = {**method_setups(target, draft, draft_exits, batch, args.context,
+                                      args.prompt_len, setting.gamma or None),
+                      setting.method: setup}  # the compiled setting's own
+            setups = dict(sorted(setups.items(), key=lambda kv: method_order(kv[0])))
+            for line in tpu_round_lines(setups, mesh, (setting.method, compiled), bandwidth,
                                         args.device_memory, args.acceptance):
                 print(line)
         elif args.roofline:
-            _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth)
+            _roofline(args, batch, target, draft, draft_exits, mesh, compiled, bandwidth,
+                      setting)
         del compiled
     if args.train_config:
         _train_step(args, mesh_cfg)

@@ -108,19 +108,18 @@ def _check_args(args):
         raise S2DError(f"--temperatures must be non-negative numbers, got {args.temperatures}")
     for flag, v in (("--max-new-tokens", args.max_new_tokens), ("--gamma", args.gamma),
                     ("--repeats", args.repeats), ("--cost-every", args.cost_every)):
-        if v < 1:
+        if v is not None and v < 1:
             raise S2DError(f"{flag} must be >= 1, got {v}")
     kinds = [k.strip() for k in args.methods.split(",") if k.strip()]
-    from s2d_jax.bench.runner import METHOD_KINDS
+    from s2d_jax.bench.runner import METHOD_KINDS, kind_method
+    from s2d_jax.decode.methods import proposer
     bad = [k for k in kinds if k not in METHOD_KINDS]
     if bad or not kinds:
         raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
                        f"{', '.join(METHOD_KINDS)}")
-    if args.draft is None and (args.s2d_setting
-                               or any(k in ("sd", "s2d", "s2d-cal", "ladder", "ladder-cal")
-                                      for k in kinds)):
-        raise S2DError("methods sd / s2d / s2d-cal / ladder / ladder-cal and --s2d-setting "
-                       "need --draft")
+    drafted = [k for k in METHOD_KINDS if proposer(kind_method(k)).needs_draft]
+    if args.draft is None and (args.s2d_setting or set(drafted) & set(kinds)):
+        raise S2DError(f"methods {' / '.join(drafted)} and --s2d-setting need --draft")
     from s2d_jax.bench.runner import parse_s2d_setting
     for text in args.s2d_setting:  # the form now; the exits once the draft is loaded
         parse_s2d_setting(text)
@@ -162,7 +161,10 @@ def _check_chains(args, targets, temps, kinds) -> dict:
         chains.setdefault(c.target, []).append(c)
     if args.draft is None:
         raise S2DError("--chain needs --draft (the chain's lowest level)")
-    if "ar" not in kinds or not {"s2d", "s2d-cal"} & set(kinds):
+    from s2d_jax.bench.runner import kind_method
+    from s2d_jax.decode.methods import BASELINE, has
+    if BASELINE not in kinds or not any(has(kind_method(k), escalates=True, lookup=False)
+                                        for k in kinds):
         raise S2DError("--chain compares with AR and two-level S2D; include ar and s2d (or "
                        "s2d-cal) in --methods")
     if 0.0 not in temps:

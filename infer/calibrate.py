@@ -24,7 +24,7 @@ import os
 
 from s2d_jax.cli.args import ArgumentParser, add_output, finite_number, target_paths
 from s2d_jax.cli.flags import add
-from s2d_jax.bench.calibration import CalibrateOptions
+from s2d_jax.calibration.calibration import CalibrateOptions
 from s2d_jax.errors import S2DError, cli_main
 
 CMD = "calibrate"  # its s2d subcommand: the name its shared flags are defined for
@@ -120,7 +120,7 @@ def main(argv=None):
     gammas, stops = _validate(args)
     _check_outputs(args, path)
 
-    from s2d_jax.bench.calibration_search import calibrate_target
+    from s2d_jax.calibration.calibration_search import calibrate_target
     from s2d_jax.decode.serving_config import write_serving_config
     result = calibrate_target(options(args, gammas, stops), name, path, report=args.report)
     best, paper = result.best, result.paper

@@ -9,7 +9,7 @@ Every setting (n range x gamma, and for the ladder x lookup length x exit) is re
 the target's greedy answers and predicted by Lemma 3.1 from round costs timed inside the
 decode loop; the --top best predicted of each method are measured against AR (interleaved,
 median of --repeats passes) and the fastest exact one is written
-(s2d_jax/bench/lookup_calibration.py). The methods lookup-cal / ladder-cal of infer.bench
+(s2d_jax/calibration/lookup_calibration.py). The methods lookup-cal / ladder-cal of infer.bench
 and --method lookup / ladder of infer.generate then use it.
 """
 
@@ -58,8 +58,8 @@ def main(argv=None):
         raise S2DError(f"{serving_config_path(path)} does not exist; run python -m "
                        f"infer.calibrate first (the lookup's sections sit beside S2D's setting)")
 
-    from s2d_jax.bench.calibration import CalibrateOptions, Calibration
-    from s2d_jax.bench.lookup_calibration import calibrate_lookup
+    from s2d_jax.calibration.calibration import CalibrateOptions, Calibration
+    from s2d_jax.calibration.lookup_calibration import calibrate_lookup
     opts = CalibrateOptions(draft=args.draft, questions=args.questions,
                             max_prompts=args.max_prompts, max_new_tokens=args.max_new_tokens,
                             gammas=tuple(gammas), repeats=args.repeats,
@@ -72,7 +72,8 @@ def main(argv=None):
               f"{'' if row['exact'] else ' (NOT exact: dropped)'}")
     from s2d_jax.readers import read_text
     record = json.loads(read_text(serving_config_path(path), "serving config"))
-    for method in ("lookup", "ladder"):
+    from s2d_jax.decode.methods import methods_where
+    for method in methods_where(lookup=True):
         if method in found:
             record[method] = found[method]
             print(f"{name}: {method}: {json.dumps(found[method])}")

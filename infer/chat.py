@@ -24,7 +24,7 @@ from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least,
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 
-from s2d_jax.decode.defaults import needs_draft
+from s2d_jax.decode.methods import METHODS, proposer
 CMD = "chat"  # its s2d subcommand: the name its shared flags are defined for
 COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
             "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
@@ -50,11 +50,11 @@ def parse_args(argv):
 
 def check_args(args) -> list[str] | None:
     """Every check that needs no model; returns the script's lines (None: interactive)."""
-    if needs_draft(args.method) and args.draft is None:
+    if proposer(args.method).needs_draft and args.draft is None:
         raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
-    if args.method == "self" and args.exit is None:
-        raise S2DError("method self needs --exit (how many target layers draft)")
+    if proposer(args.method).self_draft and args.exit is None:
+        raise S2DError(f"method {args.method} needs --exit (how many target layers draft)")
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_at_least(args, {"max_new_tokens": 1, "gamma": 1, "exit": 1})
     if args.script is None:

@@ -36,6 +36,7 @@ import time
 from s2d_jax.cli.args import ArgumentParser, finite_number, parse_targets
 from s2d_jax.cli.flags import add
 from s2d_jax.env import smollm2_dir
+from s2d_jax.decode.methods import CALIBRATED, DEFAULT_GAMMA, PAPER_METHODS, has
 from s2d_jax.errors import S2DError, cli_main
 
 CMD = "device-check"  # its s2d subcommand: the name its shared flags are defined for
@@ -48,7 +49,7 @@ DRAFT_SHAPE, DRAFT_EXITS = "configs/models/vicuna-7b-v1.5.yaml", (6, 9, 12)
 # gamma of (a)'s speculative runs and of the Lemma 3.1 prediction, and the verify windows
 # timed (1 = an AR step); the CPU smoke run (tiny: True) uses fewer: each window is a
 # compile, and XLA:CPU compiles a gamma-4 decode loop of the demo models in ~5-9 s
-GAMMA, WINDOWS = {False: 4, True: 1}, {False: 8, True: 2}
+GAMMA, WINDOWS = {False: DEFAULT_GAMMA, True: 1}, {False: 8, True: 2}
 
 
 def _parse(argv):
@@ -131,7 +132,7 @@ def train_md(t: dict | None) -> list[str]:
 
 def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new_tokens: int,
               kinds: list[str], temps: list[float], template: str, cost_every: int,
-              gamma: int = 4, sd_exits: str = "each") -> dict:
+              gamma: int | None = None, sd_exits: str = "each") -> dict:
     """The Spec-Bench-style run of infer.bench on one target, through the library
     (s2d_jax.bench.runner): every method interleaved per prompt, in-loop round costs
     sampled every `cost_every` prompts -> infer.bench's report entry of the target."""
@@ -152,7 +153,8 @@ def run_bench(target: str, draft: str, questions: str, max_prompts: int, max_new
     exits = draft_exits(extra, d_cfg)
     specs, notes = runner.method_specs(kinds, exits, None, gamma, load_serving_config(target))
     if sd_exits == "deepest":  # each method is a compile of its own decode loop
-        specs = [s for s in specs if s.method != "sd" or s.exits == (exits[-1],)]
+        specs = [s for s in specs if not has(s.method, single_exit=True, self_draft=False)
+                 or s.exits == (exits[-1],)]
     width = prompt_width(turns.longest)
     g_max = max(s.gamma for s in specs)
     max_len = buffer_len(width, max_new_tokens, g_max + 1, min(cfg.max_position_embeddings,
@@ -191,14 +193,15 @@ def check_smollm2(args, res: Results, tiny: bool) -> None:
         target, draft = "models/demo/target-s", "models/demo/draft"
         # SD at the deepest exit only: the CPU compiles each method's decode loop in 3-9 s
         run = dict(questions="data/demo_questions.jsonl", max_prompts=1, max_new_tokens=16,
-                   template="none", kinds=["ar", "sd", "s2d"], temps=[0.0], cost_every=1,
+                   template="none", kinds=list(PAPER_METHODS), temps=[0.0], cost_every=1,
                    sd_exits="deepest")
     else:
         if not os.path.isdir(smollm2_dir()):
             raise S2DError(f"{smollm2_dir()} is missing; run python -m infer.fetch_smollm2 first")
         target, draft = smollm2_dir(), "models/smollm2-draft"
         run = dict(questions="data/spec_bench_question.jsonl", max_prompts=24,
-                   max_new_tokens=128, template="auto", kinds=["ar", "sd", "s2d", "s2d-cal"],
+                   max_new_tokens=128, template="auto",
+                   kinds=[*PAPER_METHODS, PAPER_METHODS[-1] + CALIBRATED],
                    temps=[0.0, 1.0], cost_every=8)
     entry = run_bench(target, draft, **run, gamma=GAMMA[tiny])
     os.makedirs(out, exist_ok=True)
@@ -283,7 +286,8 @@ def _predictions(res: Results, entry: dict, name: str, exits, paper_mat: dict,
     greedy = s["results"].get("0.0", {}) if s else {}
     # the paper-setting S2D run's measured MAT (greedy): the draft's acceptance on a real target
     m = [r["mean_accepted_tokens"] for label, r in greedy.items()
-         if r["method"] == "s2d" and label != "s2d-cal" and r["mean_accepted_tokens"]]
+         if has(r["method"], escalates=True, lookup=False) and not label.endswith(CALIBRATED)
+         and r["mean_accepted_tokens"]]
     if m:
         mats.append((m[0], f"measured on {s['target']}, S2D 0.5-0 greedy"))
     if name in paper_mat:

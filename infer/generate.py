@@ -22,7 +22,7 @@ import sys
 from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least, check_gamma,
                         check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
                         target_paths)
-from s2d_jax.decode.defaults import needs_draft
+from s2d_jax.decode.methods import DEFAULT_GAMMA, METHODS, proposer
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 
@@ -74,11 +74,11 @@ def _add_chain_args(ap) -> None:
 
 def check_args(args) -> None:
     """The checks that need no model, run before JAX starts or any file is read."""
-    if needs_draft(args.method) and args.draft is None:
+    if proposer(args.method).needs_draft and args.draft is None:
         raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
-    if args.method == "self" and args.exit is None:
-        raise S2DError("method self needs --exit (how many target layers draft)")
+    if proposer(args.method).self_draft and args.exit is None:
+        raise S2DError(f"method {args.method} needs --exit (how many target layers draft)")
 
 
 def read_requests(args) -> list[dict]:
@@ -103,15 +103,14 @@ def build_engine(args, targets: dict[str, str]):
     mesh, shardings = _mesh_and_shardings(args, targets)
     specs = _load_targets(args, targets, tok, shardings)
     draft_cfg = draft_params = draft_tok = extra = None
-    if needs_draft(args.method):  # check_args: a draft was given
+    if proposer(args.method).needs_draft:  # check_args: a draft was given
         draft_cfg, draft_params, extra, draft_tok = _load_draft(args, specs, shardings)
-    exits = _resolve_settings(args, targets, specs, draft_cfg, extra)
+    _resolve_settings(args, targets, specs, draft_cfg, extra)
     intermediates = _load_intermediates(args, specs)
     mus = parse_ints(args.mu, "--mu") if args.mu else None
-    engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params, exits=exits,
-                    intermediates=intermediates, mus=mus,
-                    method=args.method, draft_tokenizer=draft_tok, confidence=args.confidence,
-                    mesh=mesh)
+    engine = Engine(specs, draft_cfg=draft_cfg, draft_params=draft_params,
+                    intermediates=intermediates, mus=mus, draft_tokenizer=draft_tok,
+                    confidence=args.confidence, mesh=mesh)
     return engine, tok
 
 
@@ -127,8 +126,8 @@ def _load_targets(args, targets: dict[str, str], tok, shardings) -> dict:
         if tok.vocab_size > cfg.vocab_size:
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
-        if args.method != "ar":  # ar drafts nothing
-            check_gamma(4 if args.gamma is None else args.gamma, cfg.max_position_embeddings,
+        if proposer(args.method).proposes:  # ar drafts nothing
+            check_gamma(DEFAULT_GAMMA if args.gamma is None else args.gamma, cfg.max_position_embeddings,
                         f"target {name!r}", given=args.gamma is not None)
         specs[name] = TargetSpec(cfg, params, tokenizer=tok)
     return specs
@@ -150,9 +149,9 @@ def _load_draft(args, specs: dict, shardings):
 
 
 def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, extra):
-    """Each target's setting (serving_config.resolve) into its TargetSpec -> the exits,
-    which the targets share: with several targets and no --exits, the draft's, so a
-    target's calibration is used only where it is for those exits."""
+    """Each target's setting (serving_config.target_setting) into its TargetSpec. The
+    targets share the draft's exits: with several targets and no --exits, the draft's, so
+    a target's calibration is used only where it is for those exits."""
     from s2d_jax.decode.defaults import draft_exits
     from s2d_jax.decode.serving_config import target_setting
 
@@ -168,10 +167,7 @@ def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, ext
                                         exits=exits, **overrides)
         if settings[name].note:
             print(settings[name].note, file=sys.stderr)
-        s.thresholds = settings[name].thresholds
-        s.gamma, s.stop_threshold = settings[name].gamma, settings[name].stop_threshold
-        s.ngram, s.lookup_len = settings[name].ngram, settings[name].lookup_len
-    return settings[next(iter(specs))].exits or None
+        s.setting = settings[name]
 
 
 def _load_intermediates(args, specs) -> list:
@@ -183,7 +179,7 @@ def _load_intermediates(args, specs) -> list:
         if args.mu:
             raise S2DError("--mu needs a chain: pass --intermediate and/or --quantize-intermediate")
         return []
-    if args.method == "ar":
+    if not proposer(args.method).proposes:
         raise S2DError(f"method {args.method} has no draft to chain; use --method s2d")
     n_levels = len(args.intermediate) or 1
     n_mus = len(parse_ints(args.mu, "--mu")) if args.mu else n_levels
@@ -215,7 +211,7 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
     from s2d_jax.model.transformer import param_shardings
     from s2d_jax.parallel.multihost import build_mesh, parse_mesh
     paths = {f"target[{name}]": path for name, path in targets.items()}
-    if needs_draft(args.method) and args.draft:
+    if proposer(args.method).needs_draft and args.draft:
         paths["draft"] = args.draft
     cfgs = {key: stored_model_config(path) for key, path in paths.items()}
     mesh = build_mesh(parse_mesh(args.mesh), cfgs)

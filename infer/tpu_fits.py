@@ -47,7 +47,8 @@ def main(argv=None):
     args = _parse(argv)
     targets = _pick(args.models, TARGETS, "--models")
     chips = _pick(args.chips, ("v5e", "v5p", "v6e"), "--chips")
-    methods = _pick(args.methods, ("ar", "sd", "s2d"), "--methods")
+    from s2d_jax.decode.methods import methods_where
+    methods = _pick(args.methods, methods_where(self_draft=False), "--methods")
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
     from s2d_jax.io.outputs import Output, check_outputs
     check_outputs([Output("--out-file", args.out_file)], {})

@@ -89,7 +89,7 @@ def test_bounded_batches_give_the_one_batch_answers(demo):
 def test_an_exit_pass_holds_no_vocabulary_row_per_prompt_position(demo):
     """Compiled scratch memory of one prompt's exit pass: the answer rows' distributions,
     not a [T, V] one per exit (the vocabulary-wide rows are what grows with the prompt)."""
-    from s2d_jax.bench.calibrate import _exit_predictions
+    from s2d_jax.bench.exit_stats import _exit_predictions
     _, _, draft, _, _ = demo
     T, V = 512, draft.cfg.vocab_size
     tokens = jnp.zeros((1, T), jnp.int32)

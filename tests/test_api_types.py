@@ -99,6 +99,7 @@ KINDS = {
     "target_params": "opaque", "draft_params": "opaque", "shardings": "opaque",
     "target_tokenizer": "opaque", "draft_tokenizer": "opaque", "mesh": "opaque",
     "intermediates": "opaque", "ngram": "ints>=1", "lookup_len": "int>=0",
+    "setting": "opaque",  # a DecodeSetting (serving_config.resolve's), checked when made
 }
 # the same name, another meaning in one place
 KIND_OF = {("Engine.generate", "target"): "target_name", ("Decoder", "gamma"): "int>=0"}

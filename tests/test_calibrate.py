@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from infer.calibrate import main
-from s2d_jax.bench import calibrate
+from s2d_jax.calibration import calibrate
 from s2d_jax.decode import serving_config
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError

@@ -1,4 +1,4 @@
-"""The lookup rung's calibration (bench/lookup_calibration.py): its greedy replay of
+"""The lookup rung's calibration (calibration/lookup_calibration.py): its greedy replay of
 rounds on the target's trajectories equals the engine's own rounds, for `lookup` and for
 the ladder (whose draft's tokens the replay scores with calibrate.exit_stats), and the
 prediction ranks on measured costs."""
@@ -6,8 +6,8 @@ prediction ranks on measured costs."""
 import numpy as np
 import pytest
 
-from s2d_jax.bench import calibrate
-from s2d_jax.bench.lookup_calibration import (LookupSetting, grid, lookup_proposals,
+from s2d_jax.calibration import calibrate
+from s2d_jax.calibration.lookup_calibration import (LookupSetting, grid, lookup_proposals,
                                               predicted_speedup, replay, section)
 from test_engine import CFG, NEW, draft, reference
 from test_lookup import PROMPTS, _decoder

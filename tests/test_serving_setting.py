@@ -97,7 +97,7 @@ def bench_settings(target, draft) -> dict:
 
 
 def calibration_paper_setting(target, draft, questions):
-    from s2d_jax.bench.calibration import CalibrateOptions, Calibration
+    from s2d_jax.calibration.calibration import CalibrateOptions, Calibration
     opts = CalibrateOptions(draft=draft, questions=questions, max_new_tokens=8)
     return _plain(Calibration(opts, "t", target, log=lambda msg: None).paper)
 

@@ -143,7 +143,7 @@ def test_calibrate_defaults_are_the_librarys(commands):
     calibrates as the command does)."""
     import dataclasses
 
-    from s2d_jax.bench.calibration import CalibrateOptions
+    from s2d_jax.calibration.calibration import CalibrateOptions
     library = {f.name: f.default for f in dataclasses.fields(CalibrateOptions)
                if f.default is not dataclasses.MISSING}
     checked = []

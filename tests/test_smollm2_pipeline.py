@@ -50,7 +50,7 @@ def test_the_pack_keeps_the_setting_with_repository_paths_and_its_command(tmp_pa
     assert "--draft models/smollm2-draft" in command and str(target) in command
     # the command's flags are the calibration's settings, as infer.calibrate parses them
     from infer.calibrate import _validate, options, parse_args
-    from s2d_jax.bench.calibration import CalibrateOptions
+    from s2d_jax.calibration.calibration import CalibrateOptions
     cli = parse_args(shlex.split(command)[3:])
     assert options(cli, *_validate(cli)) == CalibrateOptions(
         draft="models/smollm2-draft", questions=smollm2_draft.CALIBRATION_PROMPTS,

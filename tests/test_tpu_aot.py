@@ -50,7 +50,7 @@ if method == "planted":  # a loop that keeps last round's cache beside this roun
     hlo = loop.lower(jax.ShapeDtypeStruct(shape, jnp.bfloat16)).compile().as_text()
     print(summary(round_copies(hlo, [shape])))
 else:
-    exits = {"ar": (), "sd": (3,), "s2d": (1, 2, 3)}[method]
+    exits = {"ar": (), "sd": (3,), "s2d": (1, 2, 3), "ladder": (1, 3)}[method]
     draft = None if method == "ar" else dataclasses.replace(cfg, num_layers=3)
     setup = GenerateSetup.make(cfg, draft, exits, 1, 1024, 64, 4, method)
     compiled = compile_generate(setup, mesh)[0]
@@ -70,7 +70,8 @@ def _run(arg):
     return eval(proc.stdout.strip().splitlines()[-1])  # the summary dict: kind -> (n, bytes)
 
 
-@pytest.mark.parametrize("method", ["ar", pytest.param("s2d", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["ar", pytest.param("s2d", marks=pytest.mark.slow),
+                                    pytest.param("ladder", marks=pytest.mark.slow)])
 def test_tpu_round_copies_no_cache(method):
     """No cache copy per round in the TPU program. (Before the scatter in
     kvcache.write_layers took H as its only window, S2D copied both draft caches at each
@@ -114,6 +115,9 @@ CASES = {
     "s2d-3-exits": (SpecConfig(method="s2d", exits=(1, 2, 3), gamma=4, max_len=C), ()),
     "chain-3-levels": (SpecConfig(method="s2d", exits=(1, 3), gamma=2, max_len=C, mus=(2,)),
                        (2,)),
+    "lookup": (SpecConfig(method="lookup", gamma=4, max_len=C), ()),
+    "ladder-2-exits": (SpecConfig(method="ladder", exits=(1, 3), gamma=4, max_len=C,
+                                  lookup_len=2), ()),
 }
 for loop in sys.argv[1].split(","):
     unrolled = loop == "unrolled"
@@ -124,7 +128,8 @@ for loop in sys.argv[1].split(","):
         chain = Chain(draft, mids, target, spec, mesh)
         S = jax.ShapeDtypeStruct
         lowered = engine.generate.lower(
-            abstract_params(chain.draft, mesh), abstract_params(target, mesh),
+            None if chain.draft is None else abstract_params(chain.draft, mesh),
+            abstract_params(target, mesh),
             S((1, 64), jnp.int32), S((1,), jnp.int32),
             jax.eval_shape(lambda: DecodeParams.make(spec)),
             jax.eval_shape(lambda: jax.random.key(0)),
@@ -138,14 +143,15 @@ for loop in sys.argv[1].split(","):
 
 @pytest.mark.slow
 def test_tpu_every_method_copies_no_cache():
-    """SD gamma 1 and 4, S2D with 2 and 3 exits and a 3-level chain, looped and unrolled:
-    no cache copy per round (measured ~2 minutes on 2 cores). (The lookup rung is not
-    in this code base yet.)"""
+    """SD gamma 1 and 4, S2D with 2 and 3 exits, a 3-level chain, the lookup rung alone and
+    the ladder (lookup, then 2 exits), looped and unrolled: no cache copy per round
+    (measured ~2 minutes on 2 cores before the lookup rows)."""
     proc = subprocess.run([sys.executable, "-c", SWEEP, "looped,unrolled"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                               **({"TPU_LIBRARY_PATH": LIBTPU} if LIBTPU else {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.startswith(("looped", "unrolled"))]
-    assert len(rows) == 10, proc.stdout
+    assert len(rows) == 14, proc.stdout
     assert all(r[2] == "0" for r in rows), proc.stdout

@@ -210,8 +210,8 @@ def pack_serving_record(args, record: dict) -> str:
 
 
 def calibrate(args, log) -> None:
-    from s2d_jax.bench.calibration import CalibrateOptions
-    from s2d_jax.bench.calibration_search import calibrate_target
+    from s2d_jax.calibration.calibration import CalibrateOptions
+    from s2d_jax.calibration.calibration_search import calibrate_target
     from s2d_jax.decode.serving_config import SERVING_CONFIG, write_serving_config
     from s2d_jax.io.atomic import write_atomic
 

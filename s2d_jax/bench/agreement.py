@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax.bench.calibrate import ExitStats
+from s2d_jax.bench.exit_stats import ExitStats
 from s2d_jax.decode.defaults import buffer_len, prompt_width, round_up
 from s2d_jax.errors import S2DError
 

@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 
+from s2d_jax.decode.methods import has
 from s2d_jax.io.atomic import write_atomic
 
 
@@ -212,7 +213,7 @@ def escalation_checks(name: str, g: dict, sd_label: str) -> list[dict]:
     out = []
     for k, m in g.items():
         used = [u for u in m.get("exit_usage") or [] if u]
-        if m["method"] != "s2d" or len(used) < 2:
+        if not has(m["method"], escalates=True, lookup=False) or len(used) < 2:
             continue
         pr = paired_ratio(m, g[sd_label])
         if pr is None:
@@ -229,10 +230,11 @@ def ladder_checks(name: str, g: dict, sd_label: str | None) -> list[dict]:
     """Issue 42's bars for each ladder run: >= 1.35x AR, and >= 1.05x the better of the
     lookup alone and the best single-exit SD (paired per-prompt ratio, mean +- s.e.)."""
     out = []
-    rivals = [k for k in g if g[k]["method"] == "lookup"] + ([sd_label] if sd_label else [])
+    rivals = ([k for k in g if has(g[k]["method"], lookup=True, exits=False)]
+              + ([sd_label] if sd_label else []))
     rivals = [k for k in rivals if g[k]["speedup_vs_ar"]]
     for k, m in g.items():
-        if m["method"] != "ladder" or not m["speedup_vs_ar"]:
+        if not has(m["method"], lookup=True, exits=True) or not m["speedup_vs_ar"]:
             continue
         out.append({"check": f"{name} {k}: the ladder >= 1.35x AR",
                     "value": f"{m['speedup_vs_ar']:.2f}x", "pass": m["speedup_vs_ar"] >= 1.35})
@@ -256,7 +258,7 @@ def rung_tables(report: dict) -> str:
     for name, tgt in report["targets"].items():
         for temp, methods in tgt["results"].items():
             rows = {k: m for k, m in methods.items() if m.get("accepted_by_rung")
-                    and (m["method"] in ("lookup", "ladder") or len(m["accepted_by_rung"]) > 2)}
+                    and (has(m["method"], lookup=True) or len(m["accepted_by_rung"]) > 2)}
             if not rows:
                 continue
             rungs = list(dict.fromkeys(r for m in rows.values() for r in m["accepted_by_rung"]))
@@ -285,7 +287,7 @@ def acceptance_checks(report: dict) -> list[dict]:
 
     def best_s2d(g):
         vals = [(m["speedup_vs_ar"], k) for k, m in g.items()
-                if m["method"] == "s2d" and m["speedup_vs_ar"]]
+                if has(m["method"], escalates=True, lookup=False) and m["speedup_vs_ar"]]
         return max(vals) if vals else (None, None)
 
     for name in by_size:
@@ -300,7 +302,7 @@ def acceptance_checks(report: dict) -> list[dict]:
             checks.append({"check": f"smallest target {name}: S2D speedup >= 1.3x",
                            "value": f"{s2d:.2f}x ({s2d_label})", "pass": s2d >= 1.3})
         sd = [(m["speedup_vs_ar"], k) for k, m in g.items()
-              if m["method"] == "sd" and m["speedup_vs_ar"]]
+              if has(m["method"], single_exit=True, self_draft=False) and m["speedup_vs_ar"]]
         if "s2d-cal" in g and sd:
             checks.append(calibrated_vs_sd(name, g["s2d-cal"], g[max(sd)[1]], max(sd)[1]))
         if sd:
@@ -311,7 +313,7 @@ def acceptance_checks(report: dict) -> list[dict]:
                        "value": ", ".join(f"{k} {v:.2f}" for k, v in exact.items()),
                        "pass": all(v == 1.0 for v in exact.values())})
         for k, m in g.items():
-            if m["method"] == "s2d" and m["measured_over_predicted"] is not None:
+            if has(m["method"], escalates=True, lookup=False) and m["measured_over_predicted"] is not None:
                 r = m["measured_over_predicted"]
                 checks.append({"check": f"{name} {k}: measured/predicted speedup in [0.9, 1.1]",
                                "value": f"{r:.2f}", "pass": 0.9 <= r <= 1.1})
@@ -380,7 +382,8 @@ def plot(report: dict, path: str) -> bool:
     ax1.set_ylabel("speedup vs AR (greedy)")
     ax1.legend(fontsize=7)
     bars = [(n, k, m["exit_usage_fraction"], m["exits"]) for n in targets
-            for k, m in greedy[n].items() if m["method"] == "s2d" and m["exit_usage_fraction"]]
+            for k, m in greedy[n].items()
+            if has(m["method"], escalates=True, lookup=False) and m["exit_usage_fraction"]]
     seen = set()
     for i, (n, k, frac, exits) in enumerate(bars):
         bottom = 0.0

@@ -22,25 +22,48 @@ import numpy as np
 from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
 from s2d_jax.decode.checks import check_thresholds
-from s2d_jax.decode.defaults import DEFAULT_NGRAM, round_up
+from s2d_jax.decode.defaults import round_up
+from s2d_jax.decode.methods import (BASELINE, CALIBRATED, DEFAULT_NGRAM, LOOKUP_RUNG, METHODS, has, methods_where,
+                                    proposer)
 from s2d_jax.decode.serving import Decoder
-from s2d_jax.decode.serving_config import resolve
+from s2d_jax.decode.serving_config import DecodeSetting, resolve
 from s2d_jax.model.exits import exits_problem
 
-METHOD_KINDS = ("ar", "sd", "self", "s2d", "s2d-cal", "lookup", "ladder", "lookup-cal",
-                "ladder-cal")
+# The bench's method kinds: each method of the table, and CALIBRATED ("-cal") beside each
+# calibrated one (its setting from the target's s2d_serving.json; the plain kind runs the
+# defaults at --gamma)
+METHOD_KINDS = METHODS + tuple(m + CALIBRATED for m in methods_where(calibrated=True))
+CHAIN = "chain"  # a report entry's method for a polybasic chain (chains.py), not an engine's
 
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
+    """One run of the bench: its label and its engine setting's fields (`setting`: the
+    DecodeSetting its decoder takes; method CHAIN marks a chain's report entry)."""
     label: str
-    method: str  # engine method: ar / sd / self / s2d / lookup / ladder
+    method: str  # a method of decode/methods.py's table, or CHAIN
     exits: tuple[int, ...] = ()
     thresholds: tuple[float, ...] | None = None
-    gamma: int = 4
+    gamma: int | None = None  # None: the method's default (DEFAULT_GAMMA; AR's 0)
     stop: float = 0.0  # dynamic draft length: stop drafting below this confidence (0 = off)
     ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
     lookup_len: int = 0  # the lookup's most tokens (0 = gamma)
+
+    def __post_init__(self):
+        if self.gamma is None:
+            object.__setattr__(self, "gamma", proposer(self.method).default_gamma)
+
+    @classmethod
+    def of(cls, label: str, setting: DecodeSetting) -> "MethodSpec":
+        """The run of a resolved setting (serving_config.resolve), as it is."""
+        return cls(label, setting.method, setting.exits, setting.thresholds, setting.gamma,
+                   setting.stop_threshold, setting.ngram, setting.lookup_len)
+
+    @property
+    def setting(self) -> DecodeSetting:
+        """The DecodeSetting of this run (checked by its constructor)."""
+        return DecodeSetting(self.method, self.exits, self.thresholds, self.gamma, self.stop,
+                             ngram=self.ngram, lookup_len=self.lookup_len)
 
 
 def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: int | None,
@@ -55,43 +78,45 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
     specs, notes = [], []
     exits = tuple(int(e) for e in draft_exits)
     for kind in kinds:
-        if kind == "ar":
-            specs.append(MethodSpec("ar", "ar", gamma=0))
-        elif kind == "sd":
-            specs += [_spec(f"sd@{e}", resolve("sd", exits, exit=e, gamma=gamma)) for e in exits]
-        elif kind == "self":
+        method = kind_method(kind)
+        row = proposer(method)
+        if kind != method:
+            specs_or_note = _calibrated_spec(kind, method, exits, calibrated, target)
+            (specs if isinstance(specs_or_note, MethodSpec) else notes).append(specs_or_note)
+        elif not row.proposes:
+            specs.append(MethodSpec.of(kind, resolve(method)))
+        elif row.single_exit and row.self_draft:
             if self_exit is None:
-                notes.append("self skipped: the target is too shallow for an early exit")
+                notes.append(f"{kind} skipped: the target is too shallow for an early exit")
             else:
-                specs.append(_spec(f"self@{self_exit}",
-                                   resolve("self", exit=self_exit, gamma=gamma)))
-        elif kind == "s2d":
-            specs.append(_spec("s2d-0.5", resolve("s2d", exits, gamma=gamma)))
-        elif kind in ("lookup", "ladder"):  # the defaults at --gamma (ladder: 0.5 / ... / 0)
-            specs.append(_spec(kind, resolve(kind, exits, gamma=gamma)))
-        elif kind in ("lookup-cal", "ladder-cal"):
-            method = kind.removesuffix("-cal")
-            setting = resolve(method, exits, calibrated)
-            if setting.calibrated:
-                specs.append(_spec(kind, setting))
-            else:
-                notes.append(f"{kind} skipped: no fitting {method!r} section in the target's "
-                             f"s2d_serving.json (python -m infer.calibrate --lookup)")
-        elif calibrated is None:
-            notes.append("s2d-cal skipped: no s2d_serving.json in the target dir "
-                         "(run python -m infer.calibrate)")
-        else:
-            setting = resolve("s2d", exits, calibrated, target=target)
-            if setting.calibrated:
-                specs.append(_spec("s2d-cal", setting))
-            else:
-                notes.append(f"s2d-cal skipped: {setting.note.removeprefix('note: ')}")
+                specs.append(MethodSpec.of(f"{kind}@{self_exit}",
+                                           resolve(method, exit=self_exit, gamma=gamma)))
+        elif row.single_exit:
+            specs += [MethodSpec.of(f"{kind}@{e}", resolve(method, exits, exit=e, gamma=gamma))
+                      for e in exits]
+        else:  # the defaults at --gamma (escalating: the paper's 0.5 / ... / 0)
+            label = f"{kind}-0.5" if row.calibrated and not row.lookup else kind
+            specs.append(MethodSpec.of(label, resolve(method, exits, gamma=gamma)))
     return specs, notes
 
 
-def _spec(label: str, setting) -> MethodSpec:
-    return MethodSpec(label, setting.method, setting.exits, setting.thresholds, setting.gamma,
-                      setting.stop_threshold, setting.ngram, setting.lookup_len)
+def kind_method(kind: str) -> str:
+    """The method of a bench kind (METHOD_KINDS): s2d-cal -> s2d."""
+    return kind.removesuffix(CALIBRATED)
+
+
+def _calibrated_spec(kind, method, exits, calibrated, target) -> MethodSpec | str:
+    """The run of a calibrated kind (s2d-cal, ...), or the note why it is skipped."""
+    if calibrated is None:
+        return (f"{kind} skipped: no s2d_serving.json in the target dir (run python -m "
+                f"infer.calibrate)")
+    setting = resolve(method, exits, calibrated, target=target)
+    if setting.calibrated:
+        return MethodSpec.of(kind, setting)
+    if setting.note:
+        return f"{kind} skipped: {setting.note.removeprefix('note: ')}"
+    return (f"{kind} skipped: no fitting {method!r} section in the target's s2d_serving.json "
+            f"(python -m infer.calibrate --lookup)")
 
 
 def parse_s2d_setting(text: str, draft_exits: Sequence[int] | None = None) -> MethodSpec:
@@ -149,12 +174,9 @@ def build_decoders(specs, target_cfg, target_params, draft_cfg, draft_params, *,
     out = {}
     for s in specs:
         out[s.label] = PaddedDecoder(
-            target_cfg, target_params, method=s.method, draft_cfg=draft_cfg,
-            draft_params=draft_params, exits=s.exits, gamma=max(s.gamma, 1),
-            thresholds=list(s.thresholds) if s.thresholds else None,
-            target_tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
-            prompt_width=prompt_width, stop_threshold=s.stop, ngram=s.ngram,
-            lookup_len=s.lookup_len)
+            target_cfg, target_params, s.setting, draft_cfg=draft_cfg,
+            draft_params=draft_params, target_tokenizer=tokenizer,
+            draft_tokenizer=draft_tokenizer, prompt_width=prompt_width)
     return out
 
 
@@ -305,7 +327,7 @@ def _aggregate(rows: list[dict]) -> dict:
             "accepted_by_rung": rungs,
             # tokens the target made itself (a correction or bonus per round): the rest
             "target_tokens": rounds,
-            "lookup_acceptance": (rungs.get("lookup", 0) / lookup_proposed
+            "lookup_acceptance": (rungs.get(LOOKUP_RUNG, 0) / lookup_proposed
                                   if lookup_proposed else None)}
 
 
@@ -315,7 +337,7 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
     by_label = {s.label: s for s in specs}
     out = {}
     for t, per_method in runs.items():
-        ar = per_method.get("ar")
+        ar = per_method.get(BASELINE)
         ar_agg = _aggregate(ar) if ar else None
         res = {}
         for label, rows in per_method.items():
@@ -349,7 +371,7 @@ def summarize_target(runs: dict, categories: list, specs: list[MethodSpec],
                      "stop_threshold": by_label[label].stop,
                      **({"ngram": list(by_label[label].ngram),
                          "lookup_len": by_label[label].lookup_len or by_label[label].gamma}
-                        if by_label[label].method in ("lookup", "ladder") else {})}
+                        if has(by_label[label].method, lookup=True) else {})}
             entry.update(predict(entry, costs, label, str(t), len(rows),
                                  ar_agg["prefill_seconds"] if ar_agg else None))
             res[label] = entry
@@ -362,12 +384,12 @@ def predict(entry: dict, costs: dict | None, label: str, temperature: str = "0.0
     """predicted_speedup from the time model (theory.loop_prediction) on in-loop round costs
     of the method and of AR (costs["loop"], loop_costs.py) with this run's rounds and exit
     usage; None where a side was not probed (no ar run, a chain: chains.py fills those)."""
-    if label == "ar":
+    if label == BASELINE:
         return {"predicted_speedup": 1.0, "measured_over_predicted": 1.0}
     loop = (costs or {}).get("loop", {}).get(temperature, {})
-    if label not in loop or "ar" not in loop or not entry["rounds"]:
+    if label not in loop or BASELINE not in loop or not entry["rounds"]:
         return {"predicted_speedup": None, "measured_over_predicted": None}
-    pred = theory.loop_prediction(loop["ar"], loop[label], entry["exit_usage"],
+    pred = theory.loop_prediction(loop[BASELINE], loop[label], entry["exit_usage"],
                                   entry["draft_steps_per_round"], entry["gamma"],
                                   prompts=prompts, tokens=entry["new_tokens"],
                                   rounds=entry["rounds"], prefill_s=entry.get("prefill_seconds"),

@@ -17,7 +17,7 @@ from s2d_jax.errors import S2DError
 class BenchOptions:
     """The per-target settings of a benchmark run (infer.bench's flags, same names)."""
     max_new_tokens: int = 128
-    gamma: int = 4
+    gamma: int | None = None  # None: the methods' default (DEFAULT_GAMMA)
     self_exit: int | None = None  # None: the deepest draft exit (or a quarter of the target)
     s2d_setting: tuple[str, ...] = ()  # EXITS:THRESHOLDS:GAMMA runs (runner.parse_s2d_setting)
     repeats: int = 1
@@ -78,6 +78,7 @@ def bench_target(name: str, path: str, opts: BenchOptions, *, kinds, temps, ques
 def _load(name, path, opts: BenchOptions, tok, draft) -> _Target:
     """The target, checked against the tokenizer and gamma, with the draft beside it."""
     from s2d_jax.decode.defaults import check_gamma
+    from s2d_jax.decode.methods import DEFAULT_GAMMA
     from s2d_jax.io.checkpoint import load_model
 
     cfg, params, _ = load_model(path, dtype=opts.dtype)
@@ -87,7 +88,8 @@ def _load(name, path, opts: BenchOptions, tok, draft) -> _Target:
     draft_cfg, draft_params, exits = draft or (None, None, ())
     for what, c in ((f"target {name!r}", cfg), ("the draft", draft_cfg)):
         if c is not None:
-            check_gamma(opts.gamma, c.max_position_embeddings, what)
+            check_gamma(opts.gamma or DEFAULT_GAMMA, c.max_position_embeddings, what,
+                        given=opts.gamma is not None)
     t = _Target(name, path, cfg, params, draft_cfg, draft_params, tuple(exits))
     t.self_exit = opts.self_exit or (min(max(exits), cfg.num_layers - 1) if exits
                                      else cfg.num_layers // 4)

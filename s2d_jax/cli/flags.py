@@ -21,7 +21,7 @@ from s2d_jax.cli import args as cli_args
 from s2d_jax.config import DTYPES
 from s2d_jax.data.prompt_pool import DOCUMENT_FILES
 from s2d_jax.data.prompts import TEMPLATES
-from s2d_jax.decode.defaults import METHODS
+from s2d_jax.decode.methods import METHODS
 
 # the argparse keywords a definition fixes (what the test compares); the rest of a call,
 # (required, an input's `paths`, an output's kind and overwrite switch), is the command's
@@ -75,8 +75,6 @@ _NAMED_TARGET = variant(
     help=f"the target model: an HF dir, params checkpoint or .gguf, {TARGET_NAME}; NAME= names it")
 _SMOLLM2_PIPELINE = variant("these pipelines train and study SmolLM2's draft",
                             default="smollm2")
-_ONE_SHAPE = variant("aot compiles programs of fixed shapes and reads no calibration",
-                     default=4, help="draft tokens per round")
 
 FLAGS: dict[str, Flag] = {
     # --- models ------------------------------------------------------------------------
@@ -115,10 +113,7 @@ FLAGS: dict[str, Flag] = {
         default="s2d", choices=METHODS,
         help="s2d: the sorted draft, escalating over its exits; sd: one draft exit (--exit); "
              "self: the target's first --exit layers draft; lookup: tokens copied from the "
-             "context; ladder: lookup, then s2d; ar: no speculation",
-        variants={"aot": variant("aot compiles the programs of the draft-model methods only",
-                                 choices=("s2d", "sd", "ar"),
-                                 help="the decoding method to compile")}),
+             "context; ladder: lookup, then s2d; ar: no speculation"),
     "--exit": _flag(
         type=int, default=None, metavar="N",
         help="draft depth in layers: sd's draft exit (default: the draft's depth) and the "
@@ -128,10 +123,7 @@ FLAGS: dict[str, Flag] = {
         default=None, metavar="E,E,...",
         help=f"the draft exits s2d escalates over, e.g. 2,4 (default: {_CAL}'s where it fits "
              f"the draft, else the draft's s2d_exits, else its depth; generate with several "
-             f"targets: the draft's)",
-        variants={"aot": variant("aot compiles from shapes and reads no calibration",
-                                 help="the draft exits to compile, e.g. 6,9,12 (default: the "
-                                      "draft's depth)")}),
+             f"targets: the draft's)"),
     "--thresholds": _flag(
         default=None, metavar="T,T,...",
         help=f"one confidence threshold per exit in [0,1], e.g. 0.6,0.4,0 (default: {_CAL}'s "
@@ -139,10 +131,10 @@ FLAGS: dict[str, Flag] = {
     "--gamma": _flag(
         type=int, default=None,
         help=f"draft tokens per round (default: {_CAL}'s for s2d, else 4)",
-        variants={"aot": _ONE_SHAPE,
-                  "bench": variant("bench measures the methods at one fixed gamma; its "
-                                   "s2d-cal method is the calibrated setting",
-                                   default=4, help="draft tokens per round")}),
+        variants={"bench": variant("bench measures the methods at one gamma; its -cal "
+                                   "methods are the calibrated settings",
+                                   help="draft tokens per round (default: 4; the -cal "
+                                        "methods: calibrated)")}),
     "--mu": _flag(
         default=None, metavar="M[,M...]",
         help="polybasic chains: accumulation length per intermediate, e.g. 4 or 4,8 "

@@ -24,6 +24,7 @@ from s2d_jax.model.transformer import param_shardings
 from s2d_jax.decode.hlo_copies import cache_traffic
 from s2d_jax.model.kvcache import cache_bytes, cache_shape, cache_sharding
 from s2d_jax.parallel.memory import tree_bytes, tree_bytes_per_device
+from s2d_jax.decode.methods import proposer
 from s2d_jax.decode.state import DecodeParams, SpecConfig
 from s2d_jax.errors import S2DError
 
@@ -75,8 +76,21 @@ class GenerateSetup:
     prompt_len: int
 
     @classmethod
-    def make(cls, target_cfg, draft_cfg, exits, batch, context, prompt_len=None, gamma=4,
+    def make(cls, target_cfg, draft_cfg, exits, batch, context, prompt_len=None, gamma=None,
              method="s2d"):
+        """`method` at `exits` (a single-exit method: the deepest) and `gamma` (None: the
+        method's default), as serving_config.resolve works out the rest."""
+        from s2d_jax.decode.serving_config import resolve
+        single = proposer(method).single_exit
+        setting = resolve(method, tuple(exits), exits=None if single else tuple(exits),
+                          exit=exits[-1] if single and exits else None, gamma=gamma)
+        return cls.of(target_cfg, draft_cfg, setting, batch, context, prompt_len)
+
+    @classmethod
+    def of(cls, target_cfg, draft_cfg, setting, batch, context, prompt_len=None):
+        """The program of a DecodeSetting (serving_config.resolve's), taken as it is."""
+        if setting.proposer.self_draft:  # its draft is the target's own first layers
+            draft_cfg = target_cfg
         if context > target_cfg.max_position_embeddings:
             raise S2DError(f"context {context} exceeds the target's max_position_embeddings "
                            f"{target_cfg.max_position_embeddings}; use a smaller --context")
@@ -84,7 +98,8 @@ class GenerateSetup:
         if not 1 <= prompt_len < context:  # room for one new token (round.py shrinks rounds)
             raise S2DError(f"prompt length {prompt_len} must lie in 1..{context - 1} "
                            f"for context {context}")
-        spec = SpecConfig(method=method, exits=tuple(exits), gamma=gamma, max_len=context)
+        spec = SpecConfig(method=setting.method, exits=setting.exits, gamma=setting.gamma,
+                          max_len=context, ngram=setting.ngram, lookup_len=setting.lookup_len)
         chain = Chain(draft_cfg, (), target_cfg, spec)  # checks the exits, cuts the draft
         return cls(target_cfg, chain.draft, spec, batch, prompt_len)
 

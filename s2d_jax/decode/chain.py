@@ -40,7 +40,7 @@ class Chain:
         if len(self.mids) != len(spec.mus):
             raise S2DError(f"got {len(spec.mus)} mu value(s) for {len(self.mids)} intermediate "
                            f"model(s); pass one mu per intermediate")
-        if spec.method in ("ar", "lookup"):  # no draft model: an empty block / the context
+        if not spec.proposer.exits:  # no draft model: an empty block / the context
             object.__setattr__(self, "draft", None)
             self._check_vocab()
             return

@@ -22,13 +22,13 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     (default: the target's calibrated `s2d_serving.json` when it has one, else the draft's
     `s2d_exits`), "sd" drafts with the draft cut at `exit` (default its depth), "self" with
     the target's first `exit` layers, "lookup" from the context alone (no draft), "ladder"
-    the lookup then S2D's exits, "ar" not at all. gamma and thresholds default to the
-    calibrated setting when it matches the exits, else gamma 4 and 0.5 per exit (0 at the
-    last): serving_config.resolve decides. notes: lines for the user (a calibrated setting
+    the lookup then S2D's exits, "ar" not at all (decode/methods.py). gamma and thresholds
+    default to the calibrated setting when it matches the exits, else DEFAULT_GAMMA and
+    0.5 per exit (0 at the last): serving_config.resolve decides (decoder.setting). notes: lines for the user (a calibrated setting
     measured slower than AR, or not fitting the draft)."""
+    from s2d_jax.decode.methods import METHODS, proposer
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.decode.serving_config import target_setting
-    from s2d_jax.decode.defaults import METHODS, needs_draft
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import has_tokenizer, load_tokenizer
     from s2d_jax.readers import expand_path
@@ -40,27 +40,24 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     draft = validate.path(draft, "draft", optional=True)
     draft = draft if draft is None else resolve_model(draft)
     validate.model_setting(method, METHODS, gamma, thresholds, exit, exits, dtype, DTYPES)
-    if needs_draft(method) and draft is None:
+    row = proposer(method)
+    if row.needs_draft and draft is None:
         raise S2DError(f"method {method} needs a draft model; pass draft=PATH (--draft)")
-    if method == "self" and not exit:
-        raise S2DError("method self needs exit=N (--exit): how many target layers draft")
+    if row.self_draft and not exit:
+        raise S2DError(f"method {method} needs exit=N (--exit): how many target layers draft")
     target = expand_path(target)
     cfg, params, _ = load_model(target, dtype=dtype)
     tok = load_tokenizer(target)
     draft_cfg = draft_params = draft_tok = extra = None
-    if needs_draft(method):
+    if row.needs_draft:
         from s2d_jax.io.checkpoint import load_draft
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
     setting = target_setting(method, target, cfg, draft_cfg, extra, exits=exits, exit=exit,
                              thresholds=thresholds, gamma=gamma)
-    decoder = Decoder(cfg, params, method=method, draft_cfg=draft_cfg,
-                      draft_params=draft_params, exits=setting.exits or None,
-                      gamma=setting.gamma, thresholds=setting.thresholds,
-                      target_tokenizer=tok, draft_tokenizer=draft_tok,
-                      stop_threshold=setting.stop_threshold, ngram=setting.ngram,
-                      lookup_len=setting.lookup_len)
+    decoder = Decoder(cfg, params, setting, draft_cfg=draft_cfg, draft_params=draft_params,
+                      target_tokenizer=tok, draft_tokenizer=draft_tok)
     return decoder, tok, [setting.note] if setting.note else []
 
 

@@ -29,3 +29,20 @@ def check_stop_threshold(stop) -> float:
     if not 0.0 <= stop <= 1.0:
         raise S2DError(f"the draft stop threshold must lie in [0, 1] (0 = off), got {stop}")
     return stop
+
+
+NGRAM_MAX = 16  # the longest suffix the lookup rung matches
+
+
+def check_lookup(ngram, lookup_len, gamma: int) -> tuple[tuple[int, int], int]:
+    """The lookup rung's n range (MIN, MAX with 1 <= MIN <= MAX <= NGRAM_MAX) and its most
+    tokens in [0, gamma] (0 = gamma) -> (ngram, lookup_len) as ints."""
+    ngram = tuple(validate.integers_list(ngram, "the lookup's n range", 1))
+    if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1] <= NGRAM_MAX:
+        raise S2DError(f"the lookup's n range must be MIN,MAX with 1 <= MIN <= MAX <= "
+                       f"{NGRAM_MAX}, got {list(ngram)}")
+    lookup_len = validate.integer(lookup_len, "the lookup length", 0)
+    if lookup_len > gamma:
+        raise S2DError(f"the lookup length must lie in [0, gamma = {gamma}] (0 = gamma), got "
+                       f"{lookup_len}")
+    return ngram, lookup_len

@@ -1,5 +1,6 @@
-"""The defaults and buffer sizes every decoding entry point shares (serving, benchmarks,
-calibration, CLIs), so that one decision is made in one place.
+"""The buffer sizes and checks every decoding entry point shares (serving, benchmarks,
+calibration, CLIs), so that one decision is made in one place (the methods and their
+defaults: decode/methods.py).
 
 Buffer sizes are static shapes of the compiled generation: rounding them to buckets lets
 one compilation serve every prompt / budget that lands in the same bucket.
@@ -9,33 +10,6 @@ from __future__ import annotations
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
-
-# here, not in state.py: CLIs list them before JAX starts
-METHODS = ("ar", "sd", "self", "s2d", "lookup", "ladder")
-# What each method proposes with (one row per method): a draft model (needs --draft), exits
-# of it (a draft or the target's own layers) and the lookup rung (decode/lookup.py: tokens
-# copied from the context, no model). `ladder` is the lookup rung with the sorted draft's
-# exits above it (S2D's ladder of proposers, its cheapest rung first).
-PROPOSERS = {  # method: (needs_draft, drafts_with_exits, lookup)
-    "ar": (False, False, False),
-    "sd": (True, True, False),
-    "self": (False, True, False),
-    "s2d": (True, True, False),
-    "lookup": (False, False, True),
-    "ladder": (True, True, True),
-}
-DEFAULT_NGRAM = (1, 3)  # the lookup's n range: match the last 1 to 3 tokens (PLD's, vLLM's)
-
-
-def needs_draft(method: str) -> bool:
-    """The method drafts with a separate draft model (--draft)."""
-    return PROPOSERS[method][0]
-
-
-def uses_lookup(method: str) -> bool:
-    """The method's lowest rung is the lookup (decode/lookup.py)."""
-    return PROPOSERS[method][2]
-
 
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
 BUFFER_BUCKET = 64  # the token / KV-cache buffer per row is a multiple of this

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.decode.chain import Chain
-from s2d_jax.decode.defaults import needs_draft
 from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.round import check_done, one_round
 from s2d_jax.decode.sampling import probs_from_logits, sample
@@ -99,7 +98,7 @@ def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams,
     stop_at = state.round + max_rounds
     # not self: that would copy the target's layers; a streamed decode splits them once
     # (split_draft) instead of in every chunk
-    if needs_draft(chain.spec.method) and "exit_segments" not in draft_params:
+    if chain.spec.proposer.needs_draft and "exit_segments" not in draft_params:
         draft_params = with_exit_segments(draft_params, chain.spec.exits)
     params = (draft_params,) + tuple(mid_params) + (target_params,)
 
@@ -137,7 +136,7 @@ decode_chunk = _jit_per_chain(_decode_loop, donate_argnames=("state",))
 def _split_draft(draft_params, *, chain: Chain):
     """The draft's exit segments, sliced once for a streamed decode's many chunks (each
     chunk would otherwise copy the draft's layers again)."""
-    if needs_draft(chain.spec.method) and "exit_segments" not in draft_params:
+    if chain.spec.proposer.needs_draft and "exit_segments" not in draft_params:
         return with_exit_segments(draft_params, chain.spec.exits)
     return draft_params
 

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import re
 
+from s2d_jax.decode.methods import has
 from s2d_jax.errors import S2DError
 from s2d_jax.model.kvcache import cache_bytes
 from s2d_jax.parallel.memory import tree_bytes_per_device
@@ -140,11 +141,11 @@ def format_roofline(rounds: list[RoundBound], bandwidth: float, device: str,
         lines.append(f"    {r.method:<8}{_span(t.lo / gib, t.hi / gib, '{:.3f}'):>18} GiB"
                      f"{_span(r.minimum[0] / gib, r.minimum[1] / gib, '{:.3f}'):>16} GiB"
                      f"{_span(1e3 * t.lo / bandwidth, 1e3 * t.hi / bandwidth, _ms):>19} ms")
-    ar = next((r for r in rounds if r.method == "ar"), None)
+    ar = next((r for r in rounds if has(r.method, proposes=False)), None)
     for a in acceptances if ar is not None else ():
         parts = []
         for r in rounds:
-            if r.method == "ar":
+            if r is ar:
                 continue
             n = expected_tokens(a, r.gamma)
             fast, slow = (lemma_speedup(ar.traffic.hi, r.traffic.lo, n),

@@ -226,7 +226,7 @@ def propose(state: GenState, params: tuple, dp: DecodeParams, chain: Chain):
     ctx = RoundCtx(work=state.tokens, end=state.length, caches=state.caches,
                    key=jax.random.fold_in(state.key, state.round),
                    calls=jnp.zeros((spec.num_levels,), jnp.int32), stats=state.stats)
-    if spec.method == "ar":  # an empty block: the target's round is one plain step
+    if not spec.proposer.proposes:  # an empty block: the target's round is one plain step
         B = state.tokens.shape[0]
         return ctx, Proposal(jnp.zeros((B, 0, 1), jnp.float32), jnp.zeros((B,), jnp.int32))
     return _block_of(spec.num_levels - 2, ctx, ~state.done, params, dp, chain)

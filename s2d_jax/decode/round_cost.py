@@ -78,7 +78,7 @@ def compile_round(setup, mesh=None, compiler_options=None):
                                      DecodeParams.make(s.spec), jax.random.key(0), chain=chain),
         draft, target)
     state = _place_caches(state, mesh)
-    if s.spec.method in ("sd", "s2d"):
+    if s.spec.proposer.needs_draft:  # its exits' segments, as the engine slices them
         draft = _segments_like(draft, s.spec.exits)
     with whole_round_program(s.spec.max_len), chain.kernel_scope():
         fn = jax.jit(lambda st, d, t, p: one_round(st, params=(d, t), dp=p, chain=chain))

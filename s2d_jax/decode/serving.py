@@ -20,8 +20,9 @@ from s2d_jax.config import ModelConfig
 from s2d_jax.decode import engine
 from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
-from s2d_jax.decode.defaults import (DEFAULT_NGRAM, PROPOSERS, buffer_len, eos_id_or_default,
-                                     needs_draft, prompt_width)
+from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
+from s2d_jax.decode.methods import LOOKUP_RUNG, METHODS
+from s2d_jax.decode.serving_config import DecodeSetting, resolve
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
 from s2d_jax import validate
 from s2d_jax.errors import S2DError
@@ -38,46 +39,32 @@ def _check_tokenizers(draft_tokenizer, target_tokenizer, name: str) -> None:
                        f"use a draft trained with the target's tokenizer")
 
 
-def _method_exits(method: str, exits, draft_cfg) -> tuple:
-    """The exits a method drafts with: none for ar, the draft's full depth by default."""
-    if method in PROPOSERS and not PROPOSERS[method][1]:  # ar, lookup: no exits
-        return ()
-    if exits:
-        return tuple(exits)
-    if method == "self":
-        raise S2DError("method self needs --exit (the number of target layers to draft with)")
-    return (draft_cfg.num_layers,)
-
-
-def build_chain(target_cfg: ModelConfig, *, method: str, draft_cfg: ModelConfig | None,
-                exits, gamma: int, confidence: str, kv_fill: str, mid_cfgs=(), mus=None,
-                mesh=None, name: str = "target", ngram=DEFAULT_NGRAM,
-                lookup_len: int = 0) -> Chain:
-    """The static Chain of one target under one method (buffer length a placeholder:
-    Decoder.prepare sizes it per batch); every setting is checked here, once."""
-    if method == "self":
+def build_chain(target_cfg: ModelConfig, setting: DecodeSetting, *,
+                draft_cfg: ModelConfig | None, confidence: str, kv_fill: str, mid_cfgs=(),
+                mus=None, mesh=None, name: str = "target") -> Chain:
+    """The static Chain of one target under one setting (buffer length a placeholder:
+    Decoder.prepare sizes it per batch); the chain's own rules are checked here, once."""
+    row = setting.proposer
+    if row.self_draft:
         draft_cfg = target_cfg
-    if method in PROPOSERS and needs_draft(method) and draft_cfg is None:
-        raise S2DError(f"method {method} needs a draft model; pass --draft")
+    if row.needs_draft and draft_cfg is None:
+        raise S2DError(f"method {setting.method} needs a draft model; pass --draft")
     mid_cfgs = tuple(mid_cfgs)
-    if mid_cfgs and method == "ar":
-        raise S2DError("method ar has no draft to chain; drop the intermediate models")
-    mus = tuple(mus) if mus is not None else (gamma,) * len(mid_cfgs)
+    if mid_cfgs and not row.proposes:
+        raise S2DError(f"method {setting.method} has no draft to chain; drop the intermediate "
+                       f"models")
+    mus = tuple(mus) if mus is not None else (setting.gamma,) * len(mid_cfgs)
     try:
-        spec = SpecConfig(method=method, exits=_method_exits(method, exits, draft_cfg),
-                          gamma=gamma if method != "ar" else 0, max_len=16,
-                          confidence=confidence, kv_fill=kv_fill, mus=mus,
-                          ngram=tuple(ngram), lookup_len=lookup_len)
+        spec = SpecConfig(method=setting.method, exits=setting.exits, gamma=setting.gamma,
+                          max_len=16, confidence=confidence, kv_fill=kv_fill, mus=mus,
+                          ngram=setting.ngram, lookup_len=setting.lookup_len)
         return Chain(draft_cfg, mid_cfgs, target_cfg, spec, mesh)
     except S2DError as e:
         raise S2DError(f"target {name!r}: {e}") from None
 
 
-def _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds, confidence,
-                        kv_fill, name, mus, stop_threshold) -> None:
+def _check_decoder_args(target_cfg, draft_cfg, confidence, kv_fill, name, mus) -> None:
     """The Decoder's arguments by the API's one validator (s2d_jax/validate.py)."""
-    from s2d_jax import validate
-    from s2d_jax.decode.defaults import METHODS
     from s2d_jax.decode.sampling import CONFIDENCE_KINDS
     from s2d_jax.decode.state import KV_FILL
     for what, cfg, optional in (("target_cfg", target_cfg, False),
@@ -85,52 +72,81 @@ def _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds,
         if not (cfg is None and optional) and not isinstance(cfg, ModelConfig):
             raise S2DError(f"{what} must be a ModelConfig (s2d_jax.load_model returns one), "
                            f"got {type(cfg).__name__}")
-    no_exits = isinstance(exits, (tuple, list)) and not exits  # AR's chain: none
-    validate.model_setting(method, METHODS, None, None, None, None if no_exits else exits)
-    validate.integer(gamma, "gamma", 0)  # 0: AR's chain drafts nothing
     validate.choice(confidence, "confidence", CONFIDENCE_KINDS)
     validate.choice(kv_fill, "kv_fill", KV_FILL)
     validate.text(name, "name")
     validate.integers_list(mus, "mus", 1, optional=True)
 
 
+def setting_of(setting: DecodeSetting | None, draft_cfg: ModelConfig | None,
+               **overrides) -> DecodeSetting:
+    """The setting a Decoder runs: `setting` as it is (from serving_config.resolve or
+    target_setting), or, without one, resolve's for the keywords given (method default
+    s2d; the draft's exits: its full depth, as a draft config alone knows no others)."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if setting is not None:
+        if not isinstance(setting, DecodeSetting):
+            raise S2DError(f"setting must be a DecodeSetting (serving_config.resolve returns "
+                           f"one), got {type(setting).__name__}")
+        if given:
+            raise S2DError(f"pass either setting or {', '.join(sorted(given))}: the setting "
+                           f"already holds them")
+        return setting
+    method = given.pop("method", "s2d")
+    validate.choice(method, "method", METHODS)
+    validate.integer(given.get("gamma"), "gamma", 0, optional=True)  # 0: AR's, none drafted
+    validate.numbers_list(given.get("thresholds"), "thresholds", 0.0, 1.0, optional=True)
+    validate.integers_list(given.get("ngram"), "ngram", 1, optional=True)
+    validate.integer(given.get("lookup_len"), "lookup_len", 0, optional=True)
+    if isinstance(given.get("exits"), (tuple, list)) and not given["exits"]:
+        given.pop("exits")  # () = none given (a method without exits takes none)
+    validate.integers_list(given.get("exits"), "exits", 1, optional=True)
+    depth = () if draft_cfg is None else (draft_cfg.num_layers,)
+    return resolve(method, depth, None, draft_layers=draft_cfg and draft_cfg.num_layers,
+                   **given)
+
+
 class Decoder:
     """One target + its draft under one method. Params are used as given (already placed)."""
 
-    def __init__(self, target_cfg: ModelConfig, target_params, *, method: str = "s2d",
+    def __init__(self, target_cfg: ModelConfig, target_params,
+                 setting: DecodeSetting | None = None, *, method: str | None = None,
                  draft_cfg: ModelConfig | None = None, draft_params=None,
-                 exits: Sequence[int] | None = None, gamma: int = 4, thresholds=None,
-                 confidence: str = "max_prob", kv_fill: str = "calm", target_tokenizer=None,
-                 draft_tokenizer=None, name: str = "target", mesh=None,
-                 intermediates: Sequence[tuple[ModelConfig, object]] = (),
-                 mus: Sequence[int] | None = None, stop_threshold: float = 0.0,
-                 ngram: Sequence[int] = DEFAULT_NGRAM, lookup_len: int = 0):
-        """`intermediates` = [(cfg, params), ...] between draft and target make a polybasic
-        chain (round.py) with accumulation lengths `mus` (default: gamma per level).
-        `stop_threshold`: the default dynamic draft length (a row stops drafting after a
-        token whose confidence is below it; 0 = always gamma tokens). `ngram`, `lookup_len`:
-        the lookup rung's n range and most tokens (lookup, ladder; SpecConfig)."""
-        _check_decoder_args(target_cfg, method, draft_cfg, exits, gamma, thresholds,
-                            confidence, kv_fill, name, mus, stop_threshold)
-        validate.integers_list(ngram, "ngram", 1)  # its order and span: SpecConfig
-        validate.integer(lookup_len, "lookup_len", 0)
-        if method == "self":
+                 exits: Sequence[int] | None = None, gamma: int | None = None,
+                 thresholds=None, confidence: str = "max_prob", kv_fill: str = "calm",
+                 target_tokenizer=None, draft_tokenizer=None, name: str = "target",
+                 mesh=None, intermediates: Sequence[tuple[ModelConfig, object]] = (),
+                 mus: Sequence[int] | None = None, stop_threshold: float | None = None,
+                 ngram: Sequence[int] | None = None, lookup_len: int | None = None):
+        """`setting`: the DecodeSetting to run (serving_config.resolve / target_setting),
+        taken as it is; without one, the keywords method (default s2d), exits, gamma,
+        thresholds, stop_threshold, ngram and lookup_len are resolve's overrides, with
+        resolve's defaults for the rest. `intermediates` = [(cfg, params), ...] between
+        draft and target make a polybasic chain (round.py) with accumulation lengths `mus`
+        (default: gamma per level)."""
+        _check_decoder_args(target_cfg, draft_cfg, confidence, kv_fill, name, mus)
+        setting = setting_of(setting, draft_cfg, method=method, exits=exits, gamma=gamma,
+                             thresholds=thresholds, stop_threshold=stop_threshold,
+                             ngram=ngram, lookup_len=lookup_len)
+        row = setting.proposer
+        if row.self_draft:
             draft_params, draft_tokenizer = target_params, None
-        if method in PROPOSERS and needs_draft(method):
+        if row.needs_draft:
             if draft_params is None:
-                raise S2DError(f"method {method} needs a draft model; pass --draft")
+                raise S2DError(f"method {setting.method} needs a draft model; pass --draft")
             _check_tokenizers(draft_tokenizer, target_tokenizer, name)
         intermediates = tuple(intermediates)
         self.name = name
-        self.chain = build_chain(target_cfg, method=method, draft_cfg=draft_cfg, exits=exits,
-                                 gamma=gamma, confidence=confidence, kv_fill=kv_fill,
+        self.setting = setting
+        self.chain = build_chain(target_cfg, setting, draft_cfg=draft_cfg,
+                                 confidence=confidence, kv_fill=kv_fill,
                                  mid_cfgs=[c for c, _ in intermediates], mus=mus, mesh=mesh,
-                                 name=name, ngram=ngram, lookup_len=lookup_len)
+                                 name=name)
         self.target_params = target_params
         self.draft_params = draft_params if self.chain.draft is not None else None
         self.mid_params = tuple(p for _, p in intermediates)
-        self.thresholds = check_thresholds(thresholds, self.chain.spec.exits)
-        self.stop_threshold = check_stop_threshold(stop_threshold)
+        self.thresholds = check_thresholds(setting.thresholds, self.chain.spec.exits)
+        self.stop_threshold = setting.stop_threshold
 
     # The chain's parts under the names callers (bench, infer) read.
     target_cfg = property(lambda self: self.chain.target)
@@ -293,7 +309,7 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
                     float(a) / float(p) if p else None for a, p in zip(st.accepted_at[b], proposed)],
                 "exit_usage": st.exit_counts[b].tolist(),
                 # the rung each accepted token came from (lookup, ladder: the report's split)
-                "accepted_by_rung": {"lookup": int(st.lookup_accepted[b]),
+                "accepted_by_rung": {LOOKUP_RUNG: int(st.lookup_accepted[b]),
                                      **{f"exit {e}": int(n) for e, n in
                                         zip(spec.exits, st.exit_accepted[b])}},
                 "lookup_proposed": int(st.lookup_proposed[b]),
@@ -324,23 +340,26 @@ def summarize(state: GenState, seconds: float, spec: SpecConfig,
 
 @dataclasses.dataclass
 class TargetSpec:
-    """A named target with its own decode settings."""
+    """A named target with its own decode settings: a DecodeSetting, or resolve's overrides
+    (None: resolve's default; the method and exits are the Engine's)."""
 
     cfg: ModelConfig
     params: object
-    gamma: int = 4
+    gamma: int | None = None
     thresholds: Sequence[float] | None = None
     tokenizer: object = None
-    stop_threshold: float = 0.0  # dynamic draft length (Decoder), 0 = off
-    ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
-    lookup_len: int = 0  # its most tokens (0 = gamma)
+    stop_threshold: float | None = None  # dynamic draft length (Decoder), 0 = off
+    ngram: tuple[int, int] | None = None  # the lookup rung's n range (lookup, ladder)
+    lookup_len: int | None = None  # its most tokens (0 = gamma)
+    setting: DecodeSetting | None = None
 
 
 class Engine:
     """One draft, several targets: requests are routed to the named target's Decoder."""
 
     def __init__(self, targets: dict[str, TargetSpec], *, draft_cfg: ModelConfig | None = None,
-                 draft_params=None, exits: Sequence[int] | None = None, method: str = "s2d",
+                 draft_params=None, exits: Sequence[int] | None = None,
+                 method: str | None = None,
                  draft_tokenizer=None, confidence: str = "max_prob", kv_fill: str = "calm",
                  mesh=None, intermediates=(), mus=None):
         if not isinstance(targets, dict) or not targets:
@@ -351,7 +370,7 @@ class Engine:
                 raise S2DError(f"targets[{name!r}] must be a TargetSpec under a str name, got "
                                f"{type(t).__name__}")
         self.decoders = {
-            name: Decoder(t.cfg, t.params, method=method, draft_cfg=draft_cfg,
+            name: Decoder(t.cfg, t.params, t.setting, method=method, draft_cfg=draft_cfg,
                           draft_params=draft_params, exits=exits, gamma=t.gamma,
                           thresholds=t.thresholds, confidence=confidence, kv_fill=kv_fill,
                           target_tokenizer=t.tokenizer, draft_tokenizer=draft_tokenizer,

@@ -13,20 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 from typing import Sequence
 
-from s2d_jax.decode.checks import check_stop_threshold, check_thresholds
-from s2d_jax.decode.defaults import DEFAULT_NGRAM, max_gamma
+from s2d_jax.decode.checks import check_lookup, check_stop_threshold, check_thresholds
+from s2d_jax.decode.defaults import max_gamma
+from s2d_jax.decode.methods import (DEFAULT_GAMMA, DEFAULT_NGRAM, PAPER_THRESHOLD, methods_where,
+                                    proposer)
+from s2d_jax import validate
 from s2d_jax.errors import S2DError
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.io.atomic import write_atomic
 from s2d_jax.readers import read_text
 
 SERVING_CONFIG = "s2d_serving.json"
-DEFAULT_GAMMA = 4  # the paper's draft length, for a method without a calibrated one
-PAPER_THRESHOLD = 0.5  # the paper's confidence threshold at every exit but the last (0)
+# the methods calibrated in a section of their own ("lookup": {...}); s2d: the top level
+SECTIONS = tuple(m for m in methods_where() if proposer(m).serving_section)
 
 
 def serving_config_path(target_dir: str) -> str:
@@ -66,23 +70,23 @@ def load_serving_config(target_dir: str, context: int | None = None) -> dict | N
         raise S2DError(f"{path}: gamma {gamma} does not fit the context of the models "
                        f"({context} positions, max_position_embeddings); rerun python -m "
                        f"infer.calibrate or set gamma <= {max_gamma(context)}")
-    for method in ("lookup", "ladder"):  # the lookup rung's calibrated sections, optional
-        if method in cfg and not _lookup_section_ok(cfg[method], method, context):
+    for method in SECTIONS:  # the calibrated sections (the lookup rung's), optional
+        if method in cfg and not _section_ok(cfg[method], method, context):
             raise S2DError(f"{path}: its {method!r} section is not valid (needs 'gamma': an "
                            f"integer >= 1 that fits the context, 'ngram': [MIN, MAX] with 1 "
                            f"<= MIN <= MAX <= 16, 'lookup_len' in [0, gamma]"
-                           f"{', thresholds per exit' if method == 'ladder' else ''}); "
-                           f"{rerun}")
+                           f"{', thresholds per exit' if proposer(method).escalates else ''});"
+                           f" {rerun}")
     return {**cfg, "thresholds": th, "gamma": gamma, "stop_threshold": stop}
 
 
-def _lookup_section_ok(sec, method: str, context: int | None) -> bool:
+def _section_ok(sec, method: str, context: int | None) -> bool:
     try:
-        g, (lo, hi) = sec["gamma"], sec.get("ngram", DEFAULT_NGRAM)
-        ok = (_is_count(g) and all(isinstance(n, int) for n in (lo, hi)) and 1 <= lo <= hi <= 16
-              and 0 <= sec.get("lookup_len", 0) <= g
-              and (context is None or g <= max_gamma(context)))
-        if ok and method == "ladder":
+        g = sec["gamma"]
+        ok = _is_count(g) and (context is None or g <= max_gamma(context))
+        if ok and proposer(method).lookup:
+            check_lookup(sec.get("ngram", DEFAULT_NGRAM), sec.get("lookup_len", 0), g)
+        if ok and proposer(method).escalates:
             check_thresholds(sec["thresholds"], sec.get("exits") or sec["thresholds"])
             check_stop_threshold(sec.get("stop_threshold", 0.0))
         return ok
@@ -143,18 +147,53 @@ def paper_thresholds(num_exits: int) -> tuple[float, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSetting:
-    """A target's resolved decode setting. exits: () for ar; thresholds: one per exit (None
-    for ar); calibrated: thresholds, gamma and stop come from s2d_serving.json; note: a
-    line for the user (the calibration was not used, or it measured slower than AR)."""
+    """THE decode setting of a method on a target, built by `resolve` (which works out the
+    defaults) and checked here, once, by the table's rules (decode/methods.py); Decoder,
+    the bench, calibration, the API, the CLIs and AOT take it as it is.
+
+    exits: () for a method without exits (ar, lookup); thresholds: one per exit (None
+    without exits); gamma: draft tokens per round (0 for ar, which drafts none);
+    stop_threshold: the dynamic draft length's stop (0 = always gamma tokens); ngram,
+    lookup_len: the lookup rung's n range and most tokens (0 = gamma); calibrated: it came
+    from s2d_serving.json; note: a line for the user (the calibration was not used, or it
+    measured slower than AR)."""
     method: str
     exits: tuple[int, ...]
     thresholds: tuple[float, ...] | None
     gamma: int
-    stop_threshold: float
+    stop_threshold: float = 0.0
     calibrated: bool = False
     note: str | None = None
-    ngram: tuple[int, int] = DEFAULT_NGRAM  # the lookup rung's n range (lookup, ladder)
-    lookup_len: int = 0  # its most tokens (0 = gamma)
+    ngram: tuple[int, int] = DEFAULT_NGRAM
+    lookup_len: int = 0
+
+    def __post_init__(self):
+        row = proposer(self.method)
+        put = functools.partial(object.__setattr__, self)
+        exits = tuple(validate.integers_list(self.exits, "exits", 1) if self.exits else ())
+        if not row.exits and exits:
+            raise S2DError(f"method {self.method} drafts with no exits; drop exits {exits}")
+        if row.exits:
+            why = exits_problem(exits)
+            if why:
+                raise S2DError(f"exits must be increasing positive layer counts, got "
+                               f"{list(exits)}: {why}")
+            if row.single_exit and len(exits) != 1:
+                raise S2DError(f"method {self.method} uses exactly one exit (--exit), got "
+                               f"{list(exits)}")
+        put("exits", exits)
+        put("thresholds", check_thresholds(self.thresholds, exits) if row.exits else None)
+        # a method that drafts nothing has no draft length (a given one is not used)
+        put("gamma", validate.integer(self.gamma, "gamma", 1) if row.proposes else 0)
+        put("stop_threshold", check_stop_threshold(self.stop_threshold))
+        ngram, lookup_len = check_lookup(self.ngram, self.lookup_len, self.gamma)
+        put("ngram", ngram)
+        put("lookup_len", lookup_len)
+
+    @property
+    def proposer(self):
+        """The method's row of the table (decode/methods.py)."""
+        return proposer(self.method)
 
 
 def calibrated_exits(served: dict, draft_exits: Sequence[int]) -> tuple[int, ...]:
@@ -177,77 +216,70 @@ def resolve(method: str, draft_exits: Sequence[int] = (), served: dict | None = 
             exits: Sequence[int] | None = None, exit: int | None = None,
             thresholds: Sequence[float] | None = None, gamma: int | None = None,
             stop_threshold: float | None = None, draft_layers: int | None = None,
+            ngram: Sequence[int] | None = None, lookup_len: int | None = None,
             target: str = "the target") -> DecodeSetting:
-    """The decode setting of `method` on a target: draft_exits are the draft's (`s2d_exits`,
-    defaults.draft_exits), draft_layers its depth (sd's default exit), served the target's
-    load_serving_config (used by s2d only), the keywords the caller's overrides (None: not
-    given), target its path (for notes). s2d: exits default to the calibrated ones when
-    the calibration fits the draft (calibration_fits), else the draft's (the exits default,
-    defined here once); thresholds, gamma and the stop are the calibrated ones when no
-    thresholds are given and the exits are the calibrated ones. Otherwise thresholds are
-    the paper's, gamma DEFAULT_GAMMA and the stop 0."""
-    note, use = None, None
-    if method in ("lookup", "ladder"):
-        return _resolve_lookup(method, draft_exits, served, exits=exits, thresholds=thresholds,
-                               gamma=gamma, stop_threshold=stop_threshold)
-    if method == "ar":
+    """The decode setting of `method` on a target, the one place its defaults are worked
+    out: draft_exits are the draft's (`s2d_exits`, defaults.draft_exits), draft_layers its
+    depth (a single-exit method's default exit), served the target's load_serving_config
+    (read by the calibrated methods, the table's serving_section), the keywords the
+    caller's overrides (None: not given), target its path (for notes).
+
+    Exits: none for a method without exits; one (`exit`, or `exits` of one) for a
+    single-exit method, by default the draft's depth; else the calibrated ones when the
+    calibration fits the draft (calibration_fits), else the draft's. Thresholds, gamma, the
+    stop and the lookup's n range and length are the calibrated ones when nothing given
+    contradicts the calibration (its exits, thresholds and gamma); otherwise thresholds are
+    the paper's, gamma DEFAULT_GAMMA, the stop 0, the n range DEFAULT_NGRAM and the lookup
+    length gamma."""
+    row = proposer(method)
+    cal, note = _calibrated(row, draft_exits, served, target)
+    if row.single_exit:
+        if exit is None and exits:
+            exit = exits[0] if len(exits) == 1 else None
+            if exit is None:
+                raise S2DError(f"method {method} uses exactly one exit (--exit), got "
+                               f"{list(exits)}")
+        if exit is None and row.self_draft:
+            raise S2DError(f"method {method} needs exit=N (--exit): how many target layers "
+                           f"draft")
+        exits = (int(exit or draft_layers or max(draft_exits or (0,))),)
+    elif row.exits:
+        cal_exits = calibrated_exits(cal, draft_exits) if cal is not None else None
+        exits = tuple(int(e) for e in (exits or cal_exits or draft_exits))
+        if cal is not None and row.escalates and (thresholds is not None
+                                                   or exits != cal_exits):
+            cal = None  # other exits or thresholds: the calibration does not apply
+    else:
         exits = ()
-    elif method == "self":
-        exits = (int(exit),)
-    elif method == "sd":
-        exits = (int(exit or draft_layers),)
-    else:
-        if served is not None and not calibration_fits(served, draft_exits):
-            note = (f"note: {target}'s calibrated setting (exits "
-                    f"{list(calibrated_exits(served, draft_exits))}, "
-                    f"{len(served['thresholds'])} thresholds) does not fit the draft's exits "
-                    f"{list(draft_exits)} and is not used; recalibrate for this draft: "
-                    f"python -m infer.calibrate")
-            served = None
-        cal = calibrated_exits(served, draft_exits) if served is not None else None
-        exits = tuple(int(e) for e in (exits or cal or draft_exits))
-        if served is not None and thresholds is None and exits == cal:
-            use = served
-            note = slower_than_ar_note(served, target)
-    if thresholds is None and method != "ar":
-        thresholds = use["thresholds"] if use else paper_thresholds(len(exits))
-    if gamma is None:
-        gamma = use["gamma"] if use else DEFAULT_GAMMA
-    if stop_threshold is None:
-        stop_threshold = use["stop_threshold"] if use else 0.0
-    return DecodeSetting(method, exits, None if thresholds is None else
-                         tuple(float(t) for t in thresholds), int(gamma),
-                         float(stop_threshold), use is not None, note)
-
-
-def _resolve_lookup(method, draft_exits, served, *, exits, thresholds, gamma,
-                    stop_threshold) -> DecodeSetting:
-    """lookup / ladder: the calibrated section served[method] (infer.calibrate --methods
-    lookup,ladder) when it has one and no override contradicts it (a ladder's exits must
-    fit the draft, calibration_fits), else the defaults: the n range DEFAULT_NGRAM, lookup
-    length gamma, the draft's exits with the paper's thresholds."""
-    cal = (served or {}).get(method)
-    if cal is not None and method == "ladder" and (
-            not calibration_fits(cal, draft_exits) or (exits and tuple(exits) !=
-                                                      calibrated_exits(cal, draft_exits))
-            or thresholds is not None):
-        cal = None
-    if cal is not None and gamma is not None and gamma != cal["gamma"]:
+    if cal is not None and row.lookup and gamma is not None and gamma != cal["gamma"]:
         cal = None  # another gamma: the calibrated lookup length may not fit it
-    if method == "lookup":
-        exits, thresholds = (), None
-    else:
-        exits = tuple(int(e) for e in (exits or (calibrated_exits(cal, draft_exits) if cal
-                                                 else draft_exits)))
-        if thresholds is None:
-            thresholds = cal["thresholds"] if cal else paper_thresholds(len(exits))
+    if cal is not None and row.serving_section == "":
+        note = slower_than_ar_note(cal, target)
     use = cal or {}
+    if thresholds is None and row.exits:
+        thresholds = use.get("thresholds") or paper_thresholds(len(exits))
     return DecodeSetting(
-        method, exits, None if thresholds is None else tuple(float(t) for t in thresholds),
-        int(gamma if gamma is not None else use.get("gamma", DEFAULT_GAMMA)),
-        float(stop_threshold if stop_threshold is not None else use.get("stop_threshold", 0.0)),
-        cal is not None, None, tuple(use.get("ngram", DEFAULT_NGRAM)),
-        int(use.get("lookup_len", 0)))
+        method, exits, thresholds,
+        gamma if gamma is not None else use.get("gamma", row.default_gamma),
+        stop_threshold if stop_threshold is not None else use.get("stop_threshold", 0.0),
+        cal is not None, note,
+        tuple(ngram if ngram is not None else use.get("ngram", DEFAULT_NGRAM)),
+        lookup_len if lookup_len is not None else use.get("lookup_len", 0))
+
+
+def _calibrated(row, draft_exits, served, target) -> tuple[dict | None, str | None]:
+    """(the calibrated setting of a method in `served`, or None; a note when it exists but
+    does not fit the draft): the top-level fields ("" section) or its named section."""
+    if served is None or row.serving_section is None:
+        return None, None
+    cal = served if row.serving_section == "" else served.get(row.serving_section)
+    if cal is None or not row.exits or calibration_fits(cal, draft_exits):
+        return cal, None
+    where = "" if row.serving_section == "" else f" {row.serving_section!r}"
+    return None, (f"note: {target}'s calibrated{where} setting (exits "
+                  f"{list(calibrated_exits(cal, draft_exits))}, {len(cal['thresholds'])} "
+                  f"thresholds) does not fit the draft's exits {list(draft_exits)} and is "
+                  f"not used; recalibrate for this draft: python -m infer.calibrate")
 
 
 def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_extra=None,
@@ -259,7 +291,7 @@ def target_setting(method: str, target: str, target_cfg, draft_cfg=None, draft_e
 
     exits = draft_exits(draft_extra, draft_cfg) if draft_cfg is not None else ()
     served = None
-    if method in ("s2d", "lookup", "ladder"):
+    if proposer(method).calibrated:
         served = load_serving_config(target, min(c.max_position_embeddings
                                                  for c in (target_cfg, draft_cfg)
                                                  if c is not None))

@@ -16,8 +16,8 @@ from flax import struct
 from s2d_jax.errors import S2DError
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.model.kvcache import KVCache
-from s2d_jax.decode.checks import check_thresholds
-from s2d_jax.decode.defaults import DEFAULT_NGRAM, METHODS, PROPOSERS, uses_lookup
+from s2d_jax.decode.checks import check_lookup, check_thresholds
+from s2d_jax.decode.methods import DEFAULT_GAMMA, DEFAULT_NGRAM, Proposer, proposer
 from s2d_jax.decode.sampling import CONFIDENCE_KINDS, SamplingParams
 
 KV_FILL = ("calm", "full")
@@ -27,8 +27,9 @@ KV_FILL = ("calm", "full")
 class SpecConfig:
     """Static shape of a generation.
 
-    method: ar (target alone), sd (one fixed draft exit), self (the target's own first
-      `exits[0]` layers as draft), s2d (sorted draft with escalation over `exits`).
+    method: a row of decode/methods.py's table (ar: the target alone, sd: one fixed draft
+      exit, self: the target's own first `exits[0]` layers as draft, s2d: the sorted draft
+      escalating over `exits`, lookup / ladder below).
     exits: draft exit depths e_1 < ... < e_m (layer counts); one exit for sd/self.
     gamma: draft tokens per round (0 for ar).
     max_len: cache / token buffer length per row; a row stops when it is full.
@@ -43,7 +44,7 @@ class SpecConfig:
 
     method: str = "s2d"
     exits: tuple[int, ...] = ()
-    gamma: int = 4
+    gamma: int = DEFAULT_GAMMA
     max_len: int = 256
     confidence: str = "max_prob"
     kv_fill: str = "calm"
@@ -52,8 +53,7 @@ class SpecConfig:
     lookup_len: int = 0
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise S2DError(f"unknown method {self.method!r}; use one of {', '.join(METHODS)}")
+        row = proposer(self.method)  # an unknown method fails here
         if self.confidence not in CONFIDENCE_KINDS:
             raise S2DError(f"unknown confidence {self.confidence!r}; use one of "
                            f"{', '.join(CONFIDENCE_KINDS)}")
@@ -63,9 +63,10 @@ class SpecConfig:
         object.__setattr__(self, "mus", mus)
         if any(m < 1 for m in mus):
             raise S2DError(f"chain accumulation lengths mu must be >= 1, got {list(mus)}")
-        if self.method == "ar":
+        if not row.proposes:
             if mus:
-                raise S2DError("method ar has no draft to chain; drop the intermediate levels")
+                raise S2DError(f"method {self.method} has no draft to chain; drop the "
+                               f"intermediate levels")
             if self.gamma != 0 or self.exits:
                 object.__setattr__(self, "gamma", 0)
                 object.__setattr__(self, "exits", ())
@@ -73,7 +74,7 @@ class SpecConfig:
         if self.gamma < 1:
             raise S2DError(f"gamma must be >= 1 for method {self.method}, got {self.gamma}")
         self._check_lookup()
-        if not PROPOSERS[self.method][1]:  # lookup: no exits to draft with
+        if not row.exits:  # lookup: no exits to draft with
             object.__setattr__(self, "exits", ())
             return
         problem = exits_problem(self.exits)
@@ -82,23 +83,23 @@ class SpecConfig:
                            f"{self.exits!r}: {problem}")
         exits = tuple(int(e) for e in self.exits)
         object.__setattr__(self, "exits", exits)
-        if self.method in ("sd", "self") and len(exits) != 1:
+        if row.single_exit and len(exits) != 1:
             raise S2DError(f"method {self.method} uses exactly one exit (--exit), got {exits}")
 
     def _check_lookup(self):
-        ngram = tuple(int(n) for n in self.ngram)
+        ngram, lookup_len = check_lookup(self.ngram, self.lookup_len, self.gamma)
         object.__setattr__(self, "ngram", ngram)
-        if len(ngram) != 2 or not 1 <= ngram[0] <= ngram[1] <= 16:
-            raise S2DError(f"the lookup's n range must be MIN,MAX with 1 <= MIN <= MAX <= 16, "
-                           f"got {list(ngram)}")
-        if not 0 <= self.lookup_len <= self.gamma:
-            raise S2DError(f"the lookup length must lie in [0, gamma = {self.gamma}] (0 = "
-                           f"gamma), got {self.lookup_len}")
+        object.__setattr__(self, "lookup_len", lookup_len)
+
+    @property
+    def proposer(self) -> Proposer:
+        """The method's row of the table (decode/methods.py)."""
+        return proposer(self.method)
 
     @property
     def lookup(self) -> bool:
         """The lowest rung is the lookup (decode/lookup.py)."""
-        return uses_lookup(self.method)
+        return self.proposer.lookup
 
     @property
     def lookup_tokens(self) -> int:

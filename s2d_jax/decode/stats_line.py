@@ -10,6 +10,8 @@ named by their layer count, and compile time is left out where nothing was compi
 
 from __future__ import annotations
 
+from s2d_jax.decode.methods import LOOKUP_RUNG, has
+
 # below this, the "compile" was a cache hit (lowering a jitted function costs ~1 ms)
 COMPILED_S = 0.05
 
@@ -31,22 +33,23 @@ def stats_line(stats: dict, show_compile: bool = True) -> str:
 
 
 def _draft_part(stats: dict) -> str:
-    if stats.get("method") == "ar":
-        return "no draft (ar)"
-    if stats.get("method") in ("lookup", "ladder"):  # the lookup rung, then the exits' part
+    method = stats.get("method")
+    if has(method, proposes=False):
+        return f"no draft ({method})"
+    if has(method, lookup=True):  # the lookup rung, then the exits' part
         looked = stats.get("lookup_proposed") or 0
         part = (f"looked up {looked} tokens in the context, "
-                f"{(stats.get('accepted_by_rung') or {}).get('lookup', 0)} of them accepted")
-        if stats["method"] == "lookup":
+                f"{(stats.get('accepted_by_rung') or {}).get(LOOKUP_RUNG, 0)} of them accepted")
+        if not has(method, exits=True):
             return part
         drafted = {k: n for k, n in (stats.get("accepted_by_rung") or {}).items()
-                   if k != "lookup"}
+                   if k != LOOKUP_RUNG}
         return part + "; the draft's accepted: " + (", ".join(
             f"{n} by {k}" for k, n in drafted.items()) or "none")
     by_exit = {e: n for e, n in (stats.get("drafted_by_exit") or {}).items() if n}
     if not by_exit:
         return "nothing drafted"
-    name = ("the target's first {} layers" if stats.get("method") == "self" else "exit {}").format
+    name = ("the target's first {} layers" if has(method, self_draft=True) else "exit {}").format
     total = sum(by_exit.values())
     if len(by_exit) == 1:
         text = f"drafted {total} tokens by {name(next(iter(by_exit)))}"

@@ -16,6 +16,7 @@ import dataclasses
 
 from s2d_jax.decode.aot import (GenerateSetup, compile_generate, device_memory_bytes,
                                 memory_report)
+from s2d_jax.decode.methods import proposer
 from s2d_jax.decode.roofline import DEVICE_BANDWIDTH, minimum_round_bytes
 
 GIB = 2**30
@@ -49,9 +50,8 @@ def _refusal(err: Exception) -> str:
 
 
 def fits_row(chip, topo, mesh, name, target, draft, method, batch, context, exits) -> Row:
-    ex = {"ar": (), "sd": (exits[-1],), "s2d": tuple(exits)}[method]
-    setup = GenerateSetup.make(target, None if method == "ar" else draft, ex, batch, context,
-                               None, 4, method)
+    setup = GenerateSetup.make(target, draft if proposer(method).needs_draft else None,
+                               tuple(exits), batch, context, None, None, method)
     row = Row(chip, topo, name, method, batch)
     try:
         compiled = compile_generate(setup, mesh)[0]

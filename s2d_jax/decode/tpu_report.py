@@ -13,12 +13,14 @@ compiler's cost analysis of the one-round program."""
 from __future__ import annotations
 
 from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_copy_list
+from s2d_jax.decode.methods import BASELINE, PAPER_METHODS, proposer
 from s2d_jax.decode.roofline import expected_tokens, lemma_speedup, minimum_round_bytes
 from s2d_jax.decode.round_copies import summary
 from s2d_jax.decode.round_cost import compile_round, round_cost
 
+ROOFLINE_METHODS = PAPER_METHODS  # what the per-round reports compare (SD: its deepest exit)
+
 GIB = 2**30
-METHODS = ("ar", "sd", "s2d")
 
 
 def copy_line(method: str, copies) -> str:
@@ -63,14 +65,14 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
                      f"{(c['bytes'] or 0) / GIB:.3f} GiB, minimum "
                      f"{c['minimum'][1] / GIB:.3f} GiB; flops {(c['flops'] or 0) / 1e9:.1f} G; "
                      f"one-round compile {c['compile']:.1f} s)")
-    ar = costs.get("ar", {}).get("seconds")
+    ar = costs.get(BASELINE, {}).get("seconds")
     for a in acceptances if ar else ():
         parts = []
         for method, c in costs.items():
             g = setups[method].spec.gamma
-            if method != "ar" and c["seconds"]:
+            if proposer(method).proposes and c["seconds"]:
                 n = expected_tokens(a, g)
-                bound = lemma_speedup(costs["ar"]["minimum"][1], c["minimum"][1], n)
+                bound = lemma_speedup(costs[BASELINE]["minimum"][1], c["minimum"][1], n)
                 parts.append(f"{method} {lemma_speedup(ar, c['seconds'], n):.2f}x "
                              f"(bound's {bound:.2f}x)")
         lines.append(f"    Lemma 3.1 speedup at acceptance {a:g} from the compiler's round "
@@ -78,12 +80,11 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
     return lines
 
 
-def method_setups(target, draft, exits, batch, context, prompt_len, gamma) -> dict:
-    """AR, SD at the deepest exit and S2D at `exits` (those a draft allows)."""
-    out = {"ar": GenerateSetup.make(target, None, (), batch, context, prompt_len, gamma, "ar")}
-    if draft is not None:
-        out["sd"] = GenerateSetup.make(target, draft, (exits[-1],), batch, context, prompt_len,
-                                       gamma, "sd")
-        out["s2d"] = GenerateSetup.make(target, draft, tuple(exits), batch, context,
-                                        prompt_len, gamma, "s2d")
-    return out
+def method_setups(target, draft, exits, batch, context, prompt_len, gamma,
+                  methods=ROOFLINE_METHODS) -> dict:
+    """Each of `methods` (a single-exit one at the deepest exit, the others at `exits`)
+    that the models allow (without a draft: those that need none)."""
+    return {m: GenerateSetup.make(target, draft if proposer(m).needs_draft else None,
+                                  tuple(exits) if proposer(m).exits else (), batch, context,
+                                  prompt_len, gamma, m)
+            for m in methods if draft is not None or not proposer(m).needs_draft}

@@ -31,14 +31,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from s2d_jax.decode.methods import methods_where, proposer
 from s2d_jax.errors import S2DError
 
+# the two lookup methods of the table: the lookup alone, and the ladder (exits above it)
+ALONE = methods_where(lookup=True, exits=False)[0]
+LADDER = methods_where(lookup=True, exits=True)[0]
 NGRAMS = ((1, 2), (1, 3), (2, 3), (2, 4), (3, 5))  # n ranges tried
 
 
 @dataclasses.dataclass(frozen=True)
 class LookupSetting:
-    method: str  # lookup / ladder
+    method: str  # ALONE / LADDER
     ngram: tuple[int, int]
     gamma: int
     lookup_len: int = 0  # 0 = gamma
@@ -47,7 +51,7 @@ class LookupSetting:
     @property
     def label(self) -> str:
         base = f"{self.method}_n{self.ngram[0]}-{self.ngram[1]}_g{self.gamma}"
-        if self.method == "lookup":
+        if not proposer(self.method).exits:
             return base
         return base + f"_l{self.lookup_len or self.gamma}_e{self.exit}"
 
@@ -92,7 +96,7 @@ def replay(seq: list[int], prompt_len: int, setting: LookupSetting, proposals=No
         while a < k and E + a < end and toks[i, a] == seq[E + a]:
             a += 1
         acc = a
-        if setting.method == "ladder":
+        if proposer(setting.method).exits:
             out["draft_steps"] += max(1, g - k)
             if a == k:  # every lookup token accepted: the draft's follow the trajectory
                 d = 0
@@ -112,8 +116,8 @@ def replay(seq: list[int], prompt_len: int, setting: LookupSetting, proposals=No
 def grid(gammas, exits) -> list[LookupSetting]:
     """Every lookup setting (n range x gamma) and every ladder one (n range x gamma x
     lookup length 1..gamma x single exit)."""
-    out = [LookupSetting("lookup", n, g) for n, g in itertools.product(NGRAMS, gammas)]
-    out += [LookupSetting("ladder", n, g, l, e)
+    out = [LookupSetting(ALONE, n, g) for n, g in itertools.product(NGRAMS, gammas)]
+    out += [LookupSetting(LADDER, n, g, l, e)
             for n, g, e in itertools.product(NGRAMS, gammas, exits)
             for l in range(1, g + 1)]
     return out
@@ -129,7 +133,7 @@ def predicted_speedup(setting: LookupSetting, sims: list[dict], costs: dict) -> 
     rounds = sum(s["rounds"] for s in sims)
     tokens = sum(s["tokens"] for s in sims)
     t = rounds * look
-    if setting.method == "ladder":
+    if proposer(setting.method).exits:
         sd = costs.get(("sd", setting.exit, g))
         if sd is None:
             return None
@@ -147,7 +151,8 @@ def rank(settings, trajectories, prompt_lens, stats, exits, costs) -> list[dict]
             key = (j, L, s.ngram)
             if key not in cache:
                 cache[key] = lookup_proposals(seq, p + 1, L, s.ngram)
-            corr = None if s.method == "lookup" else stats.correct[j][:, exits.index(s.exit)]
+            corr = (stats.correct[j][:, exits.index(s.exit)] if proposer(s.method).exits
+                    else None)
             sims.append(replay(seq, p, s, cache[key], corr))
         rounds = sum(x["rounds"] for x in sims)
         rows.append({"setting": s, "mat": sum(x["tokens"] for x in sims) / max(rounds, 1),
@@ -159,28 +164,30 @@ def rank(settings, trajectories, prompt_lens, stats, exits, costs) -> list[dict]
 
 
 def method_spec(s: LookupSetting):
+    """The run of a setting: the ladder's single exit always drafts (threshold 0)."""
     from s2d_jax.bench.runner import MethodSpec
-    if s.method == "lookup":
-        return MethodSpec(s.label, "lookup", (), None, s.gamma, 0.0, s.ngram, s.lookup_len)
-    return MethodSpec(s.label, "ladder", (s.exit,), (0.0,), s.gamma, 0.0, s.ngram,
-                      s.lookup_len)
+    from s2d_jax.decode.serving_config import resolve
+    exits = (s.exit,) if proposer(s.method).exits else ()
+    return MethodSpec.of(s.label, resolve(
+        s.method, exits, exits=exits or None, thresholds=(0.0,) * len(exits) or None,
+        gamma=s.gamma, stop_threshold=0.0, ngram=s.ngram, lookup_len=s.lookup_len))
 
 
 def section(s: LookupSetting, measured: float, predicted: float | None) -> dict:
     """The serving config's section for a chosen setting (serving_config.resolve reads it)."""
     out = {"gamma": s.gamma, "ngram": list(s.ngram), "lookup_len": s.lookup_len,
            "measured_speedup": measured, "predicted_speedup": predicted}
-    if s.method == "ladder":
+    if proposer(s.method).exits:
         out.update(exits=[s.exit], thresholds=[0.0], stop_threshold=0.0)
     return out
 
 
 def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
-    """cal: a bench.calibration.Calibration (target, draft, prompts loaded). -> {"lookup":
+    """cal: a calibration.Calibration (target, draft, prompts loaded). -> {"lookup":
     section, "ladder": section, "rows": every measured setting}. Costs are probed, the
     grid replayed on AR's greedy trajectories, the `top` best predicted settings of each
     method measured against AR in one interleaved run, the fastest exact one kept."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     from s2d_jax.bench import runner as bench
 
     exits = list(cal.exits)
@@ -192,7 +199,7 @@ def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
     prompt_lens = [len(p) for p in cal.prompts]
     stats = calibrate.exit_stats(cal.d_cfg, cal.d_params, exits, cal.prompts, conts,
                                  cal.max_len)
-    specs = ([bench.MethodSpec(f"lookup_g{g}", "lookup", gamma=g) for g in cal.gammas]
+    specs = ([bench.MethodSpec(f"lookup_g{g}", ALONE, gamma=g) for g in cal.gammas]
              + [bench.MethodSpec(f"sd_e{e}_g{g}", "sd", (e,), (0.0,), g)
                 for e in exits for g in cal.gammas])
     log(f"[{cal.name}] timing rounds inside the decode loop: AR, lookup at gammas "
@@ -206,7 +213,7 @@ def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
     costs = {"ar": res["ar"], **{("lookup", g): res[f"lookup_g{g}"] for g in cal.gammas},
              **{("sd", e, g): res[f"sd_e{e}_g{g}"] for e in exits for g in cal.gammas}}
     rows = rank(grid(cal.gammas, exits), trajectories, prompt_lens, stats, exits, costs)
-    picked = [r for m in ("lookup", "ladder")
+    picked = [r for m in methods_where(lookup=True)
               for r in [r for r in rows if r["setting"].method == m][:top]]
     if not picked:
         raise S2DError("no lookup setting could be predicted; check the calibration prompts")
@@ -214,14 +221,14 @@ def calibrate_lookup(cal, top: int = 3, log=print) -> dict:
         f"against AR")
     decs = {"ar": ar["ar"], **cal.build([method_spec(r["setting"]) for r in picked])}
     per = cal.run(decs)
-    from s2d_jax.bench.calibration import _speedups
+    from s2d_jax.calibration.calibration import _speedups
     speed = _speedups(per)
     out = {"rows": []}
     for r in picked:
         m = speed[r["setting"].label]
         r.update(measured_speedup=m["speedup"], exact=m["exact"], measured_mat=m["mat"])
         out["rows"].append({**r, "setting": r["setting"].label})
-    for method in ("lookup", "ladder"):
+    for method in methods_where(lookup=True):
         ok = [r for r in picked if r["setting"].method == method and r["exact"]]
         if ok:
             best = max(ok, key=lambda r: r["measured_speedup"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from s2d_jax.bench.calibration import CalibrateOptions, Calibration, stderr_log
+from s2d_jax.calibration.calibration import CalibrateOptions, Calibration, stderr_log
 from s2d_jax.errors import S2DError
 
 
@@ -51,7 +51,7 @@ def candidates(cal: Calibration) -> dict:
     measuring them all costs a few minutes, while ranking them by predicted speed once left
     the fastest one out), the best `check` predicted multi-exit settings and the best
     multi-exit one of each gamma."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     from s2d_jax.bench import runner as bench
     gammas, exits = cal.gammas, cal.exits
     ranked = calibrate.rank_configs(cal.stats, cal.costs)
@@ -85,7 +85,7 @@ def pick_setting(cal: Calibration, found: dict) -> tuple[dict, dict, dict, list]
     """(best, 0.5/.../0 row, decoders, every measured row): every candidate measured, the
     `finalists` fastest measured again, the choice made on the second run
     (calibrate.pick_setting)."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     cal.keep_probes([(c.exits, c.gamma) for c in found.values()])
     decs = cal.build([cal.ar_spec] + list(found.values()))
     measured = cal.measure(decs, [(c.exits, c.gamma) for c in found.values()])
@@ -121,7 +121,7 @@ def pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> d
     one; a stop that wins by min_gain is measured again with the setting without it and
     kept only if it wins by min_gain there too (the best of several noisy runs is biased
     up)."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     from s2d_jax.bench import runner as bench
     ex, th, g = tuple(best["exits"]), tuple(best["thresholds"]), best["gamma"]
     base = {**best, "stop_threshold": 0.0}
@@ -151,7 +151,7 @@ def pick_stop(cal: Calibration, best: dict, stops: list[float], decs: dict) -> d
 def _confirm_stop(cal: Calibration, best: dict, pick: dict, decs: dict) -> dict:
     """The picked stop measured again beside the setting without one: kept only if it
     wins by min_gain there too."""
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     again = cal.measure({"ar": decs["ar"], "base": decs["base"], "pick": decs[pick["label"]]})
     cal.log(f"  again: draft stop {pick['stop_threshold']} {again['pick']['speedup']:.2f}x, "
             f"none {again['base']['speedup']:.2f}x")
@@ -168,7 +168,7 @@ def write_report(path: str, cal: Calibration, rows: list) -> None:
     """The evidence behind the choice, for reading without rerunning (--report)."""
     import json
 
-    from s2d_jax.bench import calibrate
+    from s2d_jax.calibration import calibrate
     from s2d_jax.io.atomic import write_atomic
     write_atomic(path, json.dumps(calibrate.calibration_report(
         cal.stats, cal.costs, rows, target=cal.name, prompts=len(cal.prompts)),

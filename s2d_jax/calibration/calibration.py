@@ -9,6 +9,7 @@ import dataclasses
 import sys
 from typing import Callable
 
+from s2d_jax.decode.methods import BASELINE, DEFAULT_GAMMA
 from s2d_jax.errors import S2DError
 
 COST_SAMPLES = 5  # timed samples of every round-cost probe (medians)
@@ -54,11 +55,12 @@ class Calibration:
         self.opts, self.name, self.path, self.log = opts, name, path, log
         self.gammas = sorted(opts.gammas)
         # The paper's gamma, also the default one keeps unless another measurably pays.
-        self.paper_gamma = 4 if 4 in self.gammas else self.gammas[len(self.gammas) // 2]
+        self.paper_gamma = (DEFAULT_GAMMA if DEFAULT_GAMMA in self.gammas
+                            else self.gammas[len(self.gammas) // 2])
         self._load()
         self.paper = resolve("s2d", self.exits, None, gamma=self.paper_gamma)
         self._fit_buffer()
-        self.ar_spec = bench.MethodSpec("ar", "ar", gamma=0)
+        self.ar_spec = bench.MethodSpec.of(BASELINE, resolve(BASELINE))
 
     def _load(self) -> None:
         """The prompts, target, draft and the draft's exits."""
@@ -124,7 +126,7 @@ class Calibration:
         probe_settings: (exits, gamma) of the settings measured; their round-cost probes
         and AR's are timed afresh after every cost_every-th prompt (so costs and runs see
         the same machine, as in the benchmark) and replace those settings' costs."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         keys = list(dict.fromkeys(calibrate.setting_key(e, g) for e, g in probe_settings))
         self.ensure_probes(keys)
         probes = [self.probes[k] for k in ["ar"] + keys] if keys else []
@@ -145,7 +147,7 @@ class Calibration:
         return _speedups(per)
 
     def measure_stats_and_costs(self) -> None:
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         self.log(f"[{self.name}] greedy AR trajectories on {len(self.prompts)} prompts")
         ar = self.build([self.ar_spec])
         ar_runs = self.run(ar, repeats=1)["ar"]
@@ -164,7 +166,7 @@ class Calibration:
         for _ in range(self.opts.cost_samples):
             for p in self.probes.values():
                 p.sample()
-        probed = {key: p.result() for key, p in self.probes.items() if key != "ar"}
+        probed = {key: p.result() for key, p in self.probes.items() if key != BASELINE}
         self.costs = {"ar": self.probes["ar"].result(),
                       "settings": calibrate.derive_subset_costs(probed, self.exits,
                                                                 self.gammas)}
@@ -173,7 +175,7 @@ class Calibration:
         """Compile a round-cost probe for every setting key without one (sampled
         cost_samples times unless `sample` is False), so a setting measured for real is
         predicted from its own costs, not derived ones."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         from s2d_jax.bench import runner as bench
         missing = [k for k in dict.fromkeys(keys) if k not in self.probes]
         if not missing:
@@ -199,7 +201,7 @@ class Calibration:
         import gc
 
         import jax
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         keep = {"ar"} | {calibrate.setting_key(e, g) for e, g in settings}
         self.probes = {k: p for k, p in self.probes.items() if k in keep}
         jax.clear_caches()
@@ -213,7 +215,7 @@ class Calibration:
     def add_one_step_costs(self, decoder, exits, gamma) -> None:
         """Round costs of a decoder with a draft stop (its probe also times one-step
         rounds), for predictions of that setting with a stop."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         key = calibrate.setting_key(exits, gamma)
         self.probes[key] = self.probe(decoder)
         self._sample(key)
@@ -221,7 +223,7 @@ class Calibration:
     def predicted(self, thresholds, gamma, exits, stop=0.0, measured=None) -> dict:
         """{"predicted_speedup", "predicted_mat"} of a setting (None each without drafts);
         `measured`: (the setting's, AR's) prefill seconds in the run it is compared with."""
-        from s2d_jax.bench import calibrate
+        from s2d_jax.calibration import calibrate
         pre, ar_pre = measured or (None, None)
         p = calibrate.predict_config(self.stats, self.costs, thresholds, gamma, exits, stop,
                                      prefill_s=pre, ar_prefill_s=ar_pre)
