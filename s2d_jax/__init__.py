@@ -36,7 +36,7 @@ _LAZY = {
     "load_train_config": ("s2d_jax.train.config", "load_train_config"),
 }
 
-__all__ = sorted([*_LAZY, "generate", "train_soft"])
+__all__ = sorted([*_LAZY, "generate", "serve", "train_soft"])
 
 
 def __getattr__(name: str):
@@ -112,3 +112,21 @@ def train_soft(config, overrides=(), *, devices=None, progress: bool = False) ->
     else:
         tc = load_train_config(config, overrides)
     return train(tc, devices=devices, progress=progress)
+
+
+def serve(target: str, draft: str | None = None, *, method: str = "s2d", host: str = "127.0.0.1",
+          port: int = 8000, block: bool = True, **settings):
+    """Serve `target` (with `draft`) over HTTP, OpenAI-compatible, as `python -m infer.serve`:
+    /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over
+    `slots` decode slots (s2d_jax/serve/). settings: name, gamma, thresholds, exit, exits,
+    dtype, chat_template, slots, max_len, chunk_rounds, max_queue, default_max_tokens,
+    seed. block=False returns the started Server (its .url; .stop() ends it)."""
+    from s2d_jax import validate
+    from s2d_jax.serve.launch import build_server
+
+    validate.switch(block, "block")
+    server = build_server(target, draft, method=method, host=host, port=port, **settings)
+    if not block:
+        return server.start()
+    server.run()
+    return server

@@ -16,7 +16,8 @@ import dataclasses
 from s2d_jax import validate
 from s2d_jax.errors import S2DError
 
-FINISH_REASONS = ("stop", "length", "cancelled")  # OpenAI's two, and a client that left
+# OpenAI's two, then: the client left, the engine failed its chunk
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_STOPS = 4  # OpenAI's limit on stop strings
 
 

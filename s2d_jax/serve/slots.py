@@ -112,10 +112,14 @@ class SlotEngine:
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: list[Job | None] = [None] * slots
-        self.state = programs.empty_state(self._prefill_args(
+        self._empty_args = self._prefill_args(
             np.ones((slots, PROMPT_BUCKET), np.int32), np.ones(slots, np.int32),
-            self._request_dp(Request((1,))), seed), chain=self.chain)
-        self.seed = seed
+            self._request_dp(Request((1,))), seed)
+        self.state = self._empty
+
+    @property
+    def _empty(self):
+        return programs.empty_state(self._empty_args, chain=self.chain)
 
     # --- what the programs take -------------------------------------------------------
 
@@ -283,6 +287,19 @@ class SlotEngine:
                             len(job.request.prompt_ids))
         job.finished.set()
         job.emit({"type": "done", "result": job.result})
+
+    def fail_all(self, message: str) -> int:
+        """After a failed chunk (its donated state is gone): every job in a slot gets
+        {"type": "error", "message"} and the slots start empty -> how many failed. Waiting
+        jobs stay queued."""
+        failed = [j for j in self.jobs if j is not None]
+        for job in failed:
+            job.result = Result([], "", "error", {}, len(job.request.prompt_ids))
+            job.finished.set()
+            job.emit({"type": "error", "message": message})
+        self.jobs = [None] * self.slots
+        self.state = self._empty
+        return len(failed)
 
     # --- warm-up and the API's batch --------------------------------------------------
 
