@@ -114,8 +114,8 @@ def train_soft(config, overrides=(), *, devices=None, progress: bool = False) ->
     return train(tc, devices=devices, progress=progress)
 
 
-def serve(target: str, draft: str | None = None, *, method: str = "s2d", host: str = "127.0.0.1",
-          port: int = 8000, block: bool = True, **settings):
+def serve(target: str, draft: str | None = None, *, method: str = "s2d",
+          host: str = "127.0.0.1", port: int = 8000, block: bool = True, **settings):
     """Serve `target` (with `draft`) over HTTP, OpenAI-compatible, as `python -m infer.serve`:
     /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over
     `slots` decode slots (s2d_jax/serve/). settings: name, gamma, thresholds, exit, exits,
