@@ -1,0 +1,53 @@
+"""`s2d_jax.generate` with a list of prompts, stop strings and a streaming iterator (on the
+slot engine, s2d_jax/serve/batch.py), against the one-prompt path on the demo family."""
+
+import os
+
+import pytest
+
+import s2d_jax
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "models", "demo")
+KW = dict(target=os.path.join(DEMO, "target-s"), draft=os.path.join(DEMO, "draft"),
+          method="s2d", chat_template="none", max_new_tokens=24)
+PROMPTS = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak."]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    return [s2d_jax.generate(p, **KW) for p in PROMPTS]
+
+
+def test_a_list_of_prompts_gives_one_result_each_equal_to_alone(alone):
+    many = s2d_jax.generate(PROMPTS, **KW)
+    assert len(many) == 2
+    for one, res in zip(alone, many):
+        assert res["token_ids"] == one["token_ids"] and res["text"] == one["text"]
+        assert res["finish_reason"] == one["finish_reason"] in ("stop", "length")
+        assert res["prompt_ids"] == one["prompt_ids"]
+        assert res["stats"]["new_tokens"] == len(one["token_ids"])
+        assert "target calls" in res["summary"]
+
+
+def test_stream_and_stop(alone):
+    text = max((a["text"] for a in alone), key=len)
+    i = [a["text"] for a in alone].index(text)
+    stop = text[5:8]
+    events = list(s2d_jax.generate(PROMPTS, stop=[stop], stream=True, **KW))
+    results = {e["index"]: e["result"] for e in events if "result" in e}
+    assert sorted(results) == [0, 1]
+    for k in (0, 1):
+        pieces = "".join(e["text"] for e in events if e.get("index") == k and "text" in e)
+        assert pieces == results[k]["text"]
+    assert results[i]["text"] == text[:text.index(stop)]
+    assert results[i]["finish_reason"] == "stop"
+
+
+def test_bad_settings_are_refused_before_loading():
+    with pytest.raises(s2d_jax.S2DError, match="stop"):
+        s2d_jax.generate(["a", "b"], target="/nonexistent", stop=[""])
+    with pytest.raises(s2d_jax.S2DError, match="top_k"):
+        s2d_jax.generate(["a", "b"], target="/nonexistent", top_k=3)
+    with pytest.raises(s2d_jax.S2DError, match="stream"):
+        s2d_jax.generate("a", target="/nonexistent", stream="yes")
