@@ -1,5 +1,5 @@
 """Serve a target over HTTP, OpenAI-compatible, with continuous batching and speculation
-per request (s2d_jax/serve/).
+per request (s2d_jax/server/).
 
     python -m infer.serve --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \\
         --draft models/smollm2-draft --method s2d --slots 8 --port 8000
@@ -87,7 +87,7 @@ def main(argv=None):
     args = parse_args(argv)
     check_args(args)
     from s2d_jax.env import resolve_model
-    from s2d_jax.serve.launch import build_server
+    from s2d_jax.server.launch import build_server
 
     name, sep, path = args.target.partition("=")
     if not sep:

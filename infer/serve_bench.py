@@ -90,7 +90,7 @@ def main(argv=None):
     from s2d_jax.bench import serve_load
     from s2d_jax.io.atomic import files_dir, write_atomic
     from s2d_jax.io.tokenizer import load_tokenizer
-    from s2d_jax.serve.launch import build_server
+    from s2d_jax.server.launch import build_server
 
     prompts = prompts_of(args, load_tokenizer(args.target))
 

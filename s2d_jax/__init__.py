@@ -73,7 +73,7 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     `Chat` for a conversation or repeated use.
 
     A list of prompts (strings or message lists) -> one result each, decoded together on
-    the slot engine (s2d_jax/serve/). stop: a string or up to 4, each ending the answer
+    the slot engine (s2d_jax/server/). stop: a string or up to 4, each ending the answer
     (left out of it). stream=True -> an iterator of {"index": i, "text": piece} as answer
     i grows and {"index": i, "result": dict} when it ends. These three run on the slot
     engine (no top_k there); a greedy answer is the same either way.
@@ -81,7 +81,7 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     from s2d_jax.decode.chat import Chat
     from s2d_jax.errors import S2DError
 
-    from s2d_jax.serve.batch import generate_batch, is_prompt_list
+    from s2d_jax.server.batch import generate_batch, is_prompt_list
 
     if not isinstance(prompt, (str, list, tuple)):
         raise S2DError(f"prompt must be a string, a list of chat messages or a list of "
@@ -141,11 +141,11 @@ def serve(target: str, draft: str | None = None, *, method: str = "s2d",
           host: str = "127.0.0.1", port: int = 8000, block: bool = True, **settings):
     """Serve `target` (with `draft`) over HTTP, OpenAI-compatible, as `python -m infer.serve`:
     /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over
-    `slots` decode slots (s2d_jax/serve/). settings: name, gamma, thresholds, exit, exits,
+    `slots` decode slots (s2d_jax/server/). settings: name, gamma, thresholds, exit, exits,
     dtype, chat_template, slots, max_len, chunk_rounds, max_queue, default_max_tokens,
     seed. block=False returns the started Server (its .url; .stop() ends it)."""
     from s2d_jax import validate
-    from s2d_jax.serve.launch import build_server
+    from s2d_jax.server.launch import build_server
 
     validate.switch(block, "block")
     server = build_server(target, draft, method=method, host=host, port=port, **settings)

@@ -1,6 +1,6 @@
 """Imports in s2d_jax/ only point down the package ranks (the layout in README.md):
 
-    errors, config, readers, validate, env < parallel < model < io < data < decode < train, serve < bench < cli < s2d_jax/__init__.py
+    errors, config, readers, validate, env < parallel < model < io < data < decode < train, server < bench < cli < s2d_jax/__init__.py
 
 Every import statement counts, including those inside functions (a lazy import is still a
 dependency). s2d_jax never imports the entry points (`infer`, top-level `train`) or
@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "s2d_jax"
 RANKS = {"errors": 0, "config": 0, "readers": 0, "validate": 0, "env": 0, "parallel": 1, "model": 2, "io": 3, "data": 4,
-         "decode": 5, "train": 6, "serve": 6, "bench": 7, "cli": 8}
+         "decode": 5, "train": 6, "server": 6, "bench": 7, "cli": 8}
 TOP = max(RANKS.values()) + 1  # s2d_jax/__init__.py: the public API imports any package
 FORBIDDEN = ("infer", "train", "examples")  # top-level entry points and the demo pipeline
 

@@ -1,5 +1,5 @@
 """`s2d_jax.generate` with a list of prompts, stop strings and a streaming iterator (on the
-slot engine, s2d_jax/serve/batch.py), against the one-prompt path on the demo family."""
+slot engine, s2d_jax/server/batch.py), against the one-prompt path on the demo family."""
 
 import os
 
@@ -51,3 +51,8 @@ def test_bad_settings_are_refused_before_loading():
         s2d_jax.generate(["a", "b"], target="/nonexistent", top_k=3)
     with pytest.raises(s2d_jax.S2DError, match="stream"):
         s2d_jax.generate("a", target="/nonexistent", stream="yes")
+
+
+def test_the_api_serve_stays_the_function_once_the_server_package_loads():
+    import s2d_jax.server.app  # noqa: F401  (a package named like the function would shadow it)
+    assert callable(s2d_jax.serve) and s2d_jax.serve.__module__ == "s2d_jax"

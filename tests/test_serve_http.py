@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (s2d_jax/serve/app.py) live on localhost, driven by the
+"""The OpenAI-compatible server (s2d_jax/server/app.py) live on localhost, driven by the
 official `openai` client and raw httpx: chat and completions, streamed and not, stop
 strings, finish reasons, usage; 16 concurrent clients x 4 greedy requests equal to each
 prompt decoded alone (AR and S2D); a table of bad requests answered 4xx in OpenAI's error
@@ -14,7 +14,9 @@ import httpx
 import openai
 import pytest
 
-from s2d_jax.serve.launch import build_server
+import s2d_jax
+from s2d_jax.server.launch import build_server
+from test_serve_slots import compilations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "models", "demo")
@@ -25,10 +27,14 @@ PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo! wherefore art thou Romeo?", "KING 
 BUDGETS = [12, 20, 9, 16]
 
 
+SETTINGS = dict(slots=4, max_len=64, chunk_rounds=3, max_queue=64, default_max_tokens=16)
+
+
 def start(method):
-    draft = os.path.join(DEMO, "draft") if method == "s2d" else None
-    return build_server(os.path.join(DEMO, MODEL), draft, method=method, slots=4, max_len=64,
-                        chunk_rounds=3, max_queue=64, default_max_tokens=16, port=0).start()
+    if method == "s2d":  # through the API's entry point
+        return s2d_jax.serve(os.path.join(DEMO, MODEL), os.path.join(DEMO, "draft"),
+                             method="s2d", port=0, block=False, **SETTINGS)
+    return build_server(os.path.join(DEMO, MODEL), method=method, port=0, **SETTINGS).start()
 
 
 @pytest.fixture(scope="module")
@@ -133,9 +139,10 @@ def test_16_concurrent_clients_equal_alone(which, request):
                                             temperature=0).choices[0].text)
                 for j, k, p, n in jobs if j == i]
 
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    with compilations() as seen, concurrent.futures.ThreadPoolExecutor(16) as pool:
         answers = [a for batch in pool.map(one_client, range(16)) for a in batch]
     assert len(answers) == 64
+    assert seen == [], f"compiled while serving: {seen}"
     expected = {(p, n): alone(srv, p, n)[0] for p, n in {(p, n) for p, n, _ in answers}}
     wrong = [(p, n) for p, n, text in answers if text != expected[(p, n)]]
     assert not wrong, wrong

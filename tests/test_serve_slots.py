@@ -1,4 +1,4 @@
-"""The slot engine (s2d_jax/serve/slots.py) on the demo family: more requests than slots,
+"""The slot engine (s2d_jax/server/slots.py) on the demo family: more requests than slots,
 prompts of different lengths and budgets, every greedy answer equal to the prompt decoded
 alone (Decoder.generate), stop strings and cancellation freeing slots, and no compilation
 after warm-up."""
@@ -12,8 +12,8 @@ import pytest
 
 from s2d_jax.decode.chat import load_decoder
 from s2d_jax.errors import S2DError
-from s2d_jax.serve.request import Request
-from s2d_jax.serve.slots import SlotEngine, width_buckets
+from s2d_jax.server.request import Request
+from s2d_jax.server.slots import SlotEngine, width_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "models", "demo")

@@ -74,7 +74,7 @@ def run_load(url: str, model: str, prompts: list, clients: int, requests: int,
 
 def run_methods(start_server, methods, prompts, client_counts, requests_per_client: int,
                 max_tokens: int, progress=print) -> list[dict]:
-    """For each method: `start_server(method)` -> a started serve.launch.Server; one warm
+    """For each method: `start_server(method)` -> a started server.launch.Server; one warm
     request, then a load per client count (clients x requests_per_client requests).
     Token-id prompts that do not fit a slot with max_tokens are left out."""
     from s2d_jax.errors import S2DError

@@ -5,7 +5,7 @@ lookup, ladder, polybasic chains).
     engine = SlotEngine(decoder, tokenizer, slots=4, max_len=512)
     engine.warm()                        # compiles every program the requests will need
     job = engine.submit(Request(ids, max_new_tokens=64), sink=print)
-    while engine.busy(): engine.step()   # or serve.worker.Worker: a thread owning the device
+    while engine.busy(): engine.step()   # or server.worker.Worker: a thread owning the device
     job.result                           # Result: token_ids, text, finish_reason, stats
 
 One batch state of `slots` rows lives on the device. A request is prefilled alone
@@ -44,9 +44,9 @@ from s2d_jax.decode.defaults import PROMPT_BUCKET, round_up
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams
 from s2d_jax.errors import S2DError
-from s2d_jax.serve import programs
-from s2d_jax.serve.request import Request, Result, speculation_stats
-from s2d_jax.serve.text import AnswerText
+from s2d_jax.server import programs
+from s2d_jax.server.request import Request, Result, speculation_stats
+from s2d_jax.server.text import AnswerText
 from s2d_jax import validate
 
 
@@ -88,7 +88,7 @@ class Job:
 class SlotEngine:
     """Continuous batching over `slots` decode slots of `max_len` tokens each (prompt +
     answer) for one Decoder; see the module docstring. Not thread-safe except `submit`,
-    `pending` and Job.cancel: one thread (serve.worker.Worker) calls step()."""
+    `pending` and Job.cancel: one thread (server.worker.Worker) calls step()."""
 
     def __init__(self, decoder, tokenizer, *, slots: int = 4, max_len: int | None = None,
                  chunk_rounds: int = 4, eos_id: int | None = None, seed: int = 0):

@@ -18,8 +18,8 @@ class Server:
     def __init__(self, engine, *, model: str, template: str, host: str = "127.0.0.1",
                  port: int = 8000, max_queue: int = 64, default_max_tokens: int = 256):
         from s2d_jax import validate
-        from s2d_jax.serve.app import make_app
-        from s2d_jax.serve.worker import Worker
+        from s2d_jax.server.app import make_app
+        from s2d_jax.server.worker import Worker
         self.engine, self.host = engine, validate.text(host, "host")
         self.port = validate.integer(port, "port", 0, 65535)
         self.worker = Worker(engine, max_queue=max_queue)
@@ -86,7 +86,7 @@ def build_server(target: str, draft: str | None = None, *, method: str = "s2d",
     from s2d_jax import validate
     from s2d_jax.data.prompts import end_of_turn_id, resolve_template
     from s2d_jax.decode.chat import load_decoder
-    from s2d_jax.serve.slots import SlotEngine
+    from s2d_jax.server.slots import SlotEngine
 
     say = progress or (lambda line: None)
     validate.choice(chat_template, "chat_template", ("auto", "vicuna", "none"))

@@ -14,8 +14,8 @@ import logging
 import threading
 
 from s2d_jax.errors import S2DError
-from s2d_jax.serve.request import Request
-from s2d_jax.serve.slots import Job, SlotEngine
+from s2d_jax.server.request import Request
+from s2d_jax.server.slots import Job, SlotEngine
 
 log = logging.getLogger(__name__)
 

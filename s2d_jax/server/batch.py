@@ -26,7 +26,7 @@ def _engine(prompts: list, target, draft, method, chat_template, max_new_tokens,
     from s2d_jax.data.prompts import end_of_turn_id, messages_ids, resolve_template
     from s2d_jax.decode.chat import as_messages, load_decoder
     from s2d_jax.decode.defaults import buffer_len, prompt_width
-    from s2d_jax.serve.slots import SlotEngine
+    from s2d_jax.server.slots import SlotEngine
 
     decoder, tok, _ = load_decoder(target, draft, method=method, **load_kw)
     template, _ = resolve_template(tok, chat_template)
@@ -67,7 +67,7 @@ def generate_batch(prompts: list, target, draft=None, *, method="s2d", chat_temp
     """One result dict per prompt (see the module docstring), or with stream=True an
     iterator of events. load_kw: load_decoder's gamma, thresholds, exit, exits, dtype."""
     from s2d_jax import validate
-    from s2d_jax.serve.request import Request
+    from s2d_jax.server.request import Request
 
     validate.switch(stream, "stream")
     validate.integer(slots, "slots", 1)

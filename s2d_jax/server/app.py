@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from s2d_jax.errors import S2DError
-from s2d_jax.serve import openai_api as oa
-from s2d_jax.serve.worker import QueueFull, Worker
+from s2d_jax.server import openai_api as oa
+from s2d_jax.server.worker import QueueFull, Worker
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait

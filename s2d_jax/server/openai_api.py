@@ -17,7 +17,7 @@ import uuid
 
 from s2d_jax import validate
 from s2d_jax.errors import S2DError
-from s2d_jax.serve.request import MAX_STOPS, Request, Result
+from s2d_jax.server.request import MAX_STOPS, Request, Result
 
 # field: its default; any other value is refused (what this server does not implement)
 UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False,
