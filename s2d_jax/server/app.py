@@ -86,7 +86,7 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
             return _error(oa.ApiError(429, str(e), code="queue_full", kind="rate_limit_error"),
                           headers={"Retry-After": str(RETRY_AFTER_S)})
         except S2DError as e:
-            return _error(oa.ApiError(400, str(e), code="context_length_exceeded"))
+            return _error(oa.ApiError(400, str(e), param="prompt"))
         reply = oa.Reply(chat, model, method)
         if opts["stream"]:
             return StreamingResponse(_stream(job, events, reply, opts["include_usage"]),
