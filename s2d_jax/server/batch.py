@@ -100,3 +100,40 @@ def _stream(engine, requests, ids, method):
         if all(j.finished.is_set() for j in jobs):
             return
         engine.step()
+
+
+class SlotDecoder:
+    """Decoder.generate's interface (token-id prompts -> [{"token_ids", "stats"}]) on a
+    slot engine of `slots` slots of `max_len` tokens: the prompts of a call share the
+    slots, a finished answer's slot going to the next prompt (the data engine's answers
+    stage: python -m train.data_engine --slots). Greedy answers equal Decoder.generate's;
+    sampled ones are other draws of the same distribution. One engine per EOS id."""
+
+    def __init__(self, decoder, tokenizer, *, slots: int, max_len: int,
+                 chunk_rounds: int = 4):
+        from s2d_jax import validate
+        self.decoder, self.tok = decoder, tokenizer
+        self.slots = validate.integer(slots, "slots", 1)
+        self.max_len = min(validate.integer(max_len, "max_len", 2), decoder.context)
+        self.chunk_rounds = chunk_rounds
+        self.engines: dict = {}
+
+    def generate(self, prompts, *, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+                 **unused) -> list[dict]:
+        from s2d_jax import validate
+        from s2d_jax.server.request import Request
+        from s2d_jax.server.slots import SlotEngine
+
+        if unused.get("top_k"):
+            raise S2DError("the slot engine samples with temperature and top_p; top_k must be 0")
+        prompts = validate.token_prompts(prompts)
+        if eos_id not in self.engines:
+            self.engines[eos_id] = SlotEngine(self.decoder, self.tok, slots=self.slots,
+                                              max_len=self.max_len,
+                                              chunk_rounds=self.chunk_rounds, eos_id=eos_id)
+        engine = self.engines[eos_id]
+        requests = [Request(tuple(p), max_new_tokens=min(max_new_tokens, self.max_len - len(p)),
+                            temperature=temperature, top_p=top_p, seed=(seed + k) % 2**31)
+                    for k, p in enumerate(prompts)]
+        return [{"token_ids": r.token_ids, "stats": r.stats} for r in engine.run(requests)]
