@@ -11,33 +11,29 @@ target's (greedy SD at gamma 1 accepts 1 + that many tokens per round, Lemma 3.1
 chance that speculative sampling at T = 1 accepts the exit's draft there (sum_v min(p, q),
 on the same greedy contexts), how often the exit's confidence reaches 0.5, and each deeper
 exit's agreement gain over the one before it, paired on the same tokens with its standard
-error. Memory does not grow with --max-prompts (48 Spec-Bench first turns fit in a few GB).
+error; --out-file FILE also writes them as JSON. Memory does not grow with --max-prompts
+(48 Spec-Bench first turns fit in a few GB).
 """
 
 from __future__ import annotations
 
 import json
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, check_at_least
+from s2d_jax.cli.args import ArgumentParser, check_at_least
+from s2d_jax.cli.flags import add
 from s2d_jax.bench.agreement import measurable_exits  # noqa: F401 (train.smollm2_draft, tests)
 from s2d_jax.errors import cli_main
+
+CMD = "agreement"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.agreement", description=__doc__)
-    add_input(ap, "--target", required=True,
-                    help="the target (HF dir, checkpoint, .gguf)")
-    add_input(ap, "--draft", action="append", required=True,
-                    help="a sorted draft (pack or model dir); repeat to compare drafts")
-    add_input(ap, "--questions", default="data/smollm2_calibration.jsonl",
-                    help="prompts (Spec-Bench jsonl)")
-    ap.add_argument("--max-prompts", type=int, default=12, help="prompts to use at most")
-    ap.add_argument("--max-new-tokens", type=int, default=64,
-                    help="new tokens per answer at most")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
-                    help="auto: the tokenizer's own template")
-    add_output(ap, "--out", default=None,
-                    help="also write the numbers as JSON here")
+    add(ap, "--target", CMD, required=True)
+    add(ap, "--draft", CMD, required=True)
+    for name in ("--questions", "--max-prompts", "--max-new-tokens", "--chat-template",
+                 "--out-file"):
+        add(ap, name, CMD)
     args = ap.parse_args(argv)
     check_at_least(args, {"max_prompts": 1, "max_new_tokens": 2})
     return args
@@ -51,9 +47,9 @@ def main(argv=None):
                                args.max_new_tokens, args.chat_template)
     for path in args.draft:
         print("\n".join(summary_lines(path, report["drafts"][path])), flush=True)
-    if args.out:
+    if args.out_file:
         from s2d_jax.io.atomic import write_atomic
-        write_atomic(args.out, json.dumps(report, indent=1))
+        write_atomic(args.out_file, json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

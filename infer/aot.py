@@ -1,11 +1,14 @@
 """Prove ahead of time that a sharded S2D generation fits: lower and compile it on abstract
 shapes (no weights read or allocated) and print per-device memory and compile time.
 
-    python -m infer.aot --fake-devices 8 --target configs/models/llama2-70b-chat.yaml \\
-        --draft configs/models/vicuna-7b-v1.5.yaml --draft-layers 12 --exits 6,9,12 \\
-        --mesh tensor=8 --batch 1,8 --context 4096 --dtype bfloat16 --device-memory h100-80gb
+    python -m infer.aot --fake-devices 8 --target-config configs/models/llama2-70b-chat.yaml \\
+        --draft-config configs/models/vicuna-7b-v1.5.yaml --draft-layers 12 --exits 6,9,12 \\
+        --mesh tensor=8 --batch-sizes 1,8 --context 4096 --dtype bfloat16 \\
+        --device-memory h100-80gb
 
---target / --draft: model YAML, HF dir or config.json (only the shapes are read).
+--target-config / --draft-config: model YAML, HF dir or config.json (only the shapes are
+read). --topology also compiles for the TPU compiler's compile-only devices of a slice, or
+with XLA:GPU for N H100s (h100:N): memory, copies and (TPU) the compiler's round time.
 --device-memory: h100-80gb, h200-141gb, a100-80gb, a100-40gb, tpu-v5e-16gb, tpu-v4-32gb, ...
 or GiB.
 --roofline: also compile AR and SD beside S2D and print, per batch, each round's bytes per
@@ -13,7 +16,7 @@ device (summed over the compiled HLO, s2d_jax/decode/hlo_traffic.py) beside the 
 (weights + caches once per call), a lower bound on its time at the device's memory bandwidth
 and Lemma 3.1's speedup bound at --acceptance: a bound, not a measurement.
 --train-config: also compile the SoFT training step of that training YAML for the draft on
-the same mesh (the same as `python -m train.aot --config ... --target <draft> mesh.*=...`).
+the same mesh (as `python -m train.aot --config ... --target-config <draft> mesh.*=...`).
 """
 
 from __future__ import annotations
@@ -21,38 +24,31 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s2d_jax.cli.args import (ArgumentParser, add_fake_devices_flag, add_input, check_at_least,
+from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least,
                         check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "aot"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.aot", description=__doc__)
-    add_input(p, "--target", required=True,
-                   help="target model YAML / HF dir / config.json")
-    add_input(p, "--draft", default=None,
-                   help="draft model (its first --draft-layers layers)")
+    # the shapes, not models: --target-config / --draft-config (--target is a model elsewhere)
+    add(p, "--target-config", CMD, required=True, dest="target")
+    add_input(p, "--draft-config", default=None, dest="draft",
+              help="the draft's shapes, like --target-config (its first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
-    p.add_argument("--exits", default=None, help="draft exits, e.g. 6,9,12 (default: draft depth)")
-    p.add_argument("--method", default="s2d", choices=("s2d", "sd", "ar"),
-                   help="the decoding method to compile")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    p.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8 or data=2,tensor=4")
-    p.add_argument("--batch", default="1", help="batch sizes to compile, e.g. 1,8")
-    p.add_argument("--context", type=int, default=4096, help="cache length per row")
+    for name in ("--exits", "--method", "--gamma", "--mesh", "--batch-sizes", "--context"):
+        add(p, name, CMD)
     p.add_argument("--prompt-len", type=int, default=None, help="padded prompt length "
                    "(default: context / 4)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="compute and weight dtype (default: as stored)")
+    add(p, "--dtype", CMD)
     p.add_argument("--device-memory", default=None,
                    help="memory of one device to check the plan against (default: the "
                         "--topology's chip, else h100-80gb)")
-    add_fake_devices_flag(p)
-    p.add_argument("--topology", default=None, metavar="NAME",
-                   help="compile with the TPU compiler for this topology's compile-only "
-                        "devices (e.g. v5p:2x2x2, v5e:2x4, v6e:2x4; needs libtpu, no TPU), or "
-                        "with XLA:GPU for N H100s (h100:N; needs the CUDA plugin, no GPU): "
-                        "memory, copies and (TPU) the compiler's round time of that program")
+    add(p, "--fake-devices", CMD)
+    add(p, "--topology", CMD)
     p.add_argument("--check-gathers", action="store_true",
                    help="also list all-gathers of whole parameters in the compiled HLO")
     p.add_argument("--check-copies", action="store_true",
@@ -91,8 +87,8 @@ def _models(args, exits):
     if args.method == "ar" and not args.roofline:
         return target, None, exits
     if args.draft is None:
-        raise S2DError(f"method {args.method} needs --draft" if args.method != "ar" else
-                       "--roofline compares AR with SD and S2D; pass --draft")
+        raise S2DError(f"method {args.method} needs --draft-config" if args.method != "ar"
+                       else "--roofline compares AR with SD and S2D; pass --draft-config")
     draft = _model_cfg(args.draft, args.dtype)
     layers = args.draft_layers or (exits[-1] if exits else draft.num_layers)
     if not 1 <= layers <= draft.num_layers:
@@ -215,7 +211,7 @@ def main(argv=None):
     check_gamma(args.gamma, args.context, "the cache", source="--context")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
-    batches = parse_ints(args.batch, "--batch", minimum=1)
+    batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
     exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
     args.acceptance = _acceptances(args.acceptance)
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,

@@ -1,11 +1,11 @@
 """Spec-Bench-style benchmark of AR / SD per exit / self-speculation / S2D on one or more
 targets sharing one sorted draft.
 
-    python -m infer.bench --targets s=models/demo/target-s l=models/demo/target-l \\
+    python -m infer.bench --target s=models/demo/target-s l=models/demo/target-l \\
         --draft models/demo/draft --max-prompts 8 --max-new-tokens 128 --out runs/bench
 
 Methods (--methods): ar, sd (one run per draft exit), self (the target's first k layers,
---self-exit, default the draft's depth), s2d (the paper's 0.5/.../0 thresholds), s2d-cal
+--exit, default the draft's depth), s2d (the paper's 0.5/.../0 thresholds), s2d-cal
 (thresholds and gamma from TARGET_DIR/s2d_serving.json, see infer.calibrate; skipped with
 a note when absent), lookup (prompt lookup: tokens copied from the context, no draft),
 ladder (the lookup, then S2D's exits after its tokens; lookup-cal / ladder-cal: their
@@ -36,7 +36,7 @@ greedy batch-4 exactness check, and for a quantized target its memory and its ow
 agreement with the target. Written under targets.NAME.chains in report.json and as tables
 in report.md; `python -m infer.insertion --report OUT/report.json` prints the inequality.
 
-    python -m infer.bench --targets l=models/demo/target-l --draft models/demo/draft \\
+    python -m infer.bench --target l=models/demo/target-l --draft models/demo/draft \\
         --methods ar,s2d,s2d-cal --chain l=int8 --chain l=models/demo/target-m
 """
 
@@ -46,63 +46,52 @@ import json
 import os
 import sys
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, target_paths
+from s2d_jax.cli.args import ArgumentParser, parse_ints, target_paths
+from s2d_jax.cli.flags import add
 from s2d_jax.io.outputs import DIR
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "bench"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.bench", description=__doc__)
-    add_input(ap, "--targets", nargs="+", required=True, metavar="NAME=DIR", type=str,
-              paths=target_paths,
-                    help="the target models, named")
-    add_input(ap, "--draft", default=None,
-                    help="sorted draft dir (exits from its config)")
-    add_input(ap, "--questions", default="data/demo_questions.jsonl",
-                    help="prompts (Spec-Bench / MT-bench jsonl)")
-    ap.add_argument("--max-prompts", type=int, default=None,
-                    help="prompts to use at most, round-robin over tasks (default: all)")
-    ap.add_argument("--categories", default=None, help="comma-separated, default all")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
-                    help="new tokens per answer at most")
-    ap.add_argument("--gamma", type=int, default=4, help="draft tokens per round")
-    ap.add_argument("--methods", default="ar,sd,self,s2d,s2d-cal",
-                    help="comma-separated methods to compare")
+    # --targets, --self-exit: the old spellings, still accepted
+    add(ap, "--target", CMD, aliases=("--targets",), dest="targets", required=True,
+        paths=target_paths)
+    for name in ("--draft", "--questions", "--max-prompts", "--categories", "--max-new-tokens",
+                 "--gamma", "--methods"):
+        add(ap, name, CMD)
     ap.add_argument("--s2d-setting", action="append", default=[],
                     metavar="EXITS:THRESHOLDS:GAMMA",
                     help="also run S2D at this fixed setting, e.g. 2,4:0.3,0:1 (repeatable; "
                     "label s2d_e2-4_t0.3-0_g1)")
-    ap.add_argument("--self-exit", type=int, default=None,
-                    help="target layers drafting for self (default: the deepest draft exit)")
+    add(ap, "--exit", CMD, aliases=("--self-exit",), dest="self_exit")
     ap.add_argument("--temperatures", default="0,1",
                     help="comma-separated sampling temperatures (0 = greedy)")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed passes over all prompts and methods; per prompt and method "
-                    "the median (a slow spell of the machine hits one pass)")
-    ap.add_argument("--cost-every", type=int, default=1, metavar="K",
-                    help="sample the in-loop round-cost probes after every K-th prompt "
-                    "(default 1; a probe of a 4-exit draft runs 4 x 48 rounds, so on a real "
-                    "model K > 1 keeps a long run short)")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
-                    help="auto: the tokenizer's own template, else none (default auto)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="compute and weight dtype")
+    for name in ("--repeats", "--cost-every", "--chat-template", "--dtype"):
+        add(ap, name, CMD)
     ap.add_argument("--hf-baseline", action="store_true",
                     help="also time HF transformers generate (plain and assisted)")
     ap.add_argument("--chain", action="append", default=[],
                     metavar="NAME=MID[:int8|int4|w8a8][,gamma=G][,mu=M]",
                     help="a 3-level chain on target NAME with intermediate MID: int8 / int4 / w8a8 "
                     "(the quantized target) or a model dir; gamma/mu of this chain (repeatable)")
-    ap.add_argument("--mu", type=int, default=None,
-                    help="the chains' accumulation length (default: gamma)")
-    ap.add_argument("--quant-group", type=int, default=64, help="int4 group size (rows)")
+    add(ap, "--mu", CMD)
+    add(ap, "--quant-group", CMD)
     ap.add_argument("--step-breakdown", action="store_true",
                     help="per target, time the parts of a draft step (each exit's segment, "
                     "the head, the confidence, the CALM fill, the control flow) against "
                     "the target's decode step, once after the warm-up")
-    add_output(ap, "--out", kind=DIR, default="runs/bench",
-                    help="output directory (report, answers, plot)")
-    return ap.parse_args(argv)
+    add(ap, "--out", CMD, kind=DIR)
+    args = ap.parse_args(argv)
+    if args.mu is not None:  # generate's form (one per intermediate); a bench chain has one
+        mu = parse_ints(args.mu, "--mu")  # its range: _check_chains
+        if len(mu) != 1:
+            raise S2DError(f"--mu {args.mu}: a bench chain has one intermediate; give one "
+                           f"length, e.g. --mu 4")
+        args.mu = mu[0]
+    return args
 
 
 def _check_args(args):

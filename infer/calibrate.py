@@ -22,29 +22,24 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number, target_paths
+from s2d_jax.cli.args import ArgumentParser, add_output, finite_number, target_paths
+from s2d_jax.cli.flags import add
 from s2d_jax.bench.calibration import CalibrateOptions
 from s2d_jax.errors import S2DError, cli_main
 
-# the flags' defaults are the library's (one place)
+CMD = "calibrate"  # its s2d subcommand: the name its shared flags are defined for
+# its own flags' defaults are the library's (the shared ones: s2d_jax/cli/flags.py, which
+# tests/test_shared_flags.py holds to the library's too)
 DEFAULT = {f.name: f.default for f in dataclasses.fields(CalibrateOptions)}
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.calibrate", description=__doc__)
-    add_input(ap, "--target", required=True, metavar="[NAME=]DIR", type=str, paths=target_paths,
-                    help="the target to calibrate")
-    add_input(ap, "--draft", required=True, help="its sorted draft")
-    add_input(ap, "--questions", default=DEFAULT["questions"],
-                    help="calibration prompts (default: the demo family's dev set)")
-    ap.add_argument("--max-prompts", type=int, default=DEFAULT["max_prompts"],
-                    help="prompts to use at most")
-    ap.add_argument("--categories", default=None,
-                    help="comma-separated categories or tasks to keep (default: all)")
-    ap.add_argument("--max-new-tokens", type=int, default=DEFAULT["max_new_tokens"],
-                    help="new tokens per answer at most")
-    ap.add_argument("--gammas", default=",".join(map(str, DEFAULT["gammas"])),
-                    help="draft lengths to try")
+    add(ap, "--target", CMD, required=True, paths=target_paths)
+    add(ap, "--draft", CMD, required=True)
+    for name in ("--questions", "--max-prompts", "--categories", "--max-new-tokens",
+                 "--gammas"):
+        add(ap, name, CMD)
     ap.add_argument("--check", type=int, default=DEFAULT["check"],
                     help="best predicted multi-exit settings to measure")
     ap.add_argument("--finalists", type=int, default=DEFAULT["finalists"],
@@ -53,27 +48,17 @@ def parse_args(argv):
                     help="settings within this fraction of the fastest (about the run-to-run "
                     "noise here) count as equal and the one closest to the default (one exit, gamma 4) is chosen; a draft stop must "
                     "beat the setting without one by it")
-    ap.add_argument("--repeats", type=int, default=DEFAULT["repeats"],
-                    help="timed passes over the prompts and candidates (per prompt the "
-                    "median): candidates often differ by a few percent, about the noise of "
-                    "one run here, and the median drops a pass caught in a slow spell")
-    ap.add_argument("--cost-samples", type=int, default=DEFAULT["cost_samples"],
-                    help=f"timed samples of every setting's round-cost probe before ranking "
-                    f"(default {DEFAULT['cost_samples']}; each runs 48 rounds per exit)")
+    add(ap, "--repeats", CMD)
+    add(ap, "--cost-samples", CMD)
     ap.add_argument("--probe-rounds", type=int, default=DEFAULT["probe_rounds"],
                     help="rounds per timing of a round-cost probe (default 48; on a target "
                     "whose step takes ~0.1 s, 12 keep a timing near a second)")
-    ap.add_argument("--cost-every", type=int, default=DEFAULT["cost_every"],
-                    help="re-time the measured settings' round-cost probes after every K-th "
-                    "prompt (default 1; each sample runs --probe-rounds rounds per exit)")
+    add(ap, "--cost-every", CMD)
     ap.add_argument("--stops", default=",".join(map(str, DEFAULT["stops"])),
                     help="draft stop thresholds tried on the chosen setting (dynamic draft "
                     "length: stop drafting after a token less confident than this); '' = off")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
-                    help="auto: the tokenizer's own template, else none (default auto)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="compute and weight dtype")
-    ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
+    for name in ("--chat-template", "--dtype", "--dry-run"):
+        add(ap, name, CMD)
     add_output(ap, "--report", default=None, metavar="JSON",
                     help="also write every measured setting (predicted vs measured), the best "
                     "predicted setting per exit subset and gamma, per-exit acceptance and the "

@@ -18,33 +18,23 @@ from __future__ import annotations
 import json
 import os
 
-from s2d_jax.cli.args import ArgumentParser, add_input, target_paths
+from s2d_jax.cli.args import ArgumentParser, target_paths
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "calibrate-lookup"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.calibrate_lookup", description=__doc__)
-    add_input(ap, "--target", required=True, metavar="[NAME=]DIR", type=str, paths=target_paths,
-                    help="the target to calibrate (its s2d_serving.json must exist)")
-    add_input(ap, "--draft", required=True,
-                    help="its sorted draft (the ladder's upper rungs)")
-    add_input(ap, "--questions", default="data/demo_calibration.jsonl",
-                    help="calibration prompts (default: the demo family's dev set)")
-    ap.add_argument("--max-prompts", type=int, default=16, help="prompts to use at most")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
-                    help="new tokens per answer at most")
-    ap.add_argument("--gammas", default="2,3,4,5", help="block lengths to try")
+    add(ap, "--target", CMD, required=True, paths=target_paths)
+    add(ap, "--draft", CMD, required=True)
+    for name in ("--questions", "--max-prompts", "--max-new-tokens", "--gammas"):
+        add(ap, name, CMD)
     ap.add_argument("--top", type=int, default=3,
                     help="best predicted settings of each method measured against AR")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed passes over the prompts (per prompt the median)")
-    ap.add_argument("--cost-samples", type=int, default=3,
-                    help="timed samples of every round-cost probe")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "none", "vicuna"),
-                    help="auto: the tokenizer's own template, else none (default auto)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="compute and weight dtype")
-    ap.add_argument("--dry-run", action="store_true", help="print, do not write the config")
+    for name in ("--repeats", "--cost-samples", "--chat-template", "--dtype", "--dry-run"):
+        add(ap, name, CMD)
     return ap.parse_args(argv)
 
 

@@ -1,13 +1,14 @@
 """A multi-turn conversation in the terminal, each answer streamed as it is decoded.
 
     python -m infer.chat --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --draft models/smollm2-draft
-    python -m infer.chat --target ... --method ar --script turns.txt --out answers.jsonl
+    python -m infer.chat --target ... --method ar --script turns.txt --out-file answers.jsonl
 
 Type a message and press Enter (arrow keys edit the line and recall earlier ones); commands:
 /reset (forget the conversation), /stats (this conversation's totals), /help, /quit (or
 Ctrl-D). Ctrl-C while an answer streams stops it and keeps the conversation (with the part
 shown); Ctrl-C at the prompt, twice, ends the chat. --script FILE reads the turns (and
-commands) from a file instead, one per line. Each turn re-encodes the whole conversation in
+commands) from a file instead, one per line; --out-file FILE also writes one JSON line per
+answered turn. Each turn re-encodes the whole conversation in
 the tokenizer's chat template (the engine keeps no K/V between generations; see
 s2d_jax/decode/chat.py); a statistics line follows each answer on stderr.
 """
@@ -17,49 +18,33 @@ from __future__ import annotations
 import json
 import sys
 
-from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least,
-                        check_sampling, finite_number, parse_floats,
+from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least,
+                        check_sampling, parse_floats,
                         parse_ints)
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 
-from s2d_jax.decode.defaults import METHODS, needs_draft
+from s2d_jax.decode.defaults import needs_draft
+CMD = "chat"  # its s2d subcommand: the name its shared flags are defined for
 COMMANDS = {"/reset": "forget the conversation", "/stats": "this conversation's totals",
             "/help": "this list", "/quit": "end the session (also Ctrl-D)"}
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.chat", description=__doc__)
-    add_input(ap, "--target", required=True,
-                    help="target model: HF dir, params checkpoint or .gguf")
-    add_input(ap, "--draft", default=None,
-                    help="draft model (needed by sd and s2d)")
-    ap.add_argument("--method", default="s2d", choices=METHODS,
-                    help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
-                    "self: the target's first --exit layers draft; ar: no speculation")
-    ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
-    ap.add_argument("--exits", default=None, help="s2d exits, e.g. 2,4 (default: the target's "
-                    "calibrated s2d_serving.json, else the draft's s2d_exits)")
-    ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit in "
-                    "[0,1] (default: calibrated, else 0.5 each, 0 at the last)")
-    ap.add_argument("--gamma", type=int, default=None,
-                    help="draft tokens per round (default: calibrated, else 4)")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
-                    help="auto: the tokenizer's own template, else the text as is")
+    add(ap, "--target", CMD, required=True)
+    for name in ("--draft", "--method", "--exit", "--exits", "--thresholds", "--gamma",
+                 "--chat-template"):
+        add(ap, name, CMD)
     ap.add_argument("--system", default=None, help="a system message opening the "
                     "conversation (default: the template's own, if any)")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer at most")
-    ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=finite_number, default=1.0,
-                    help="nucleus sampling mass (1 = off)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="compute and weight dtype (default: as stored)")
+    for name in ("--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                 "--dtype"):
+        add(ap, name, CMD)
     add_input(ap, "--script", default=None, metavar="FILE",
                     help="read the turns and commands from FILE, one per line, instead of "
                     "the terminal")
-    add_output(ap, "--out", default=None, metavar="FILE.jsonl",
-                    help="also write one JSON line per answered turn (default: print only)")
+    add(ap, "--out-file", CMD)
     return ap.parse_args(argv)
 
 
@@ -210,9 +195,9 @@ def main(argv=None):
     if script is None:
         print("type a message; /help lists the commands", file=sys.stderr)
     rows = run_session(chat, turns_from(script), scripted=script is not None)
-    if args.out:
+    if args.out_file:
         from s2d_jax.io.atomic import write_atomic
-        write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
+        write_atomic(args.out_file, "".join(json.dumps(row) + "\n" for row in rows))
     return 0
 
 

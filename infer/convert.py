@@ -25,14 +25,15 @@ import os
 import sys
 import tempfile
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number
+from s2d_jax.cli.args import ArgumentParser
+from s2d_jax.cli.flags import add
 from s2d_jax.io.orbax_params import restore_params, save_params
-from s2d_jax.io.tokenizer import TOKENIZER_FILES, has_tokenizer
-from s2d_jax.config import DTYPES
+from s2d_jax.io.tokenizer import has_tokenizer
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.hf import export_hf, load_hf
 from s2d_jax.io.outputs import CHECKPOINT, DRAFT_PACK, HF_DIR
 
+CMD = "convert"  # its s2d subcommand: the name its shared flags are defined for
 # what each command writes at --out (--overwrite replaces only an earlier output of its kind)
 OUTPUT_KIND = {"hf-to-orbax": CHECKPOINT, "gguf-to-orbax": CHECKPOINT, "orbax-to-hf": HF_DIR,
                "hf-to-hf": HF_DIR, "gguf-to-hf": HF_DIR, "unpack-draft": HF_DIR,
@@ -43,59 +44,46 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m infer.convert", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def common(sp, src_help, out_help):
-        add_input(sp, "--src", required=True, help=src_help)
-        add_output(sp, "--out", kind=OUTPUT_KIND[sp.prog.split()[-1]], overwrite="overwrite",
-                   required=True, help=out_help)
-        sp.add_argument("--num-layers", type=int, default=None, metavar="N",
-                        help="keep only the first N decoder layers (initialise a draft)")
-        sp.add_argument("--dtype", choices=DTYPES, default=None,
-                        help="cast all weights to this dtype (default: keep the stored dtype)")
-        sp.add_argument("--overwrite", action="store_true",
-                        help="replace --out if it exists (only once the new output is complete)")
-        add_input(sp, "--tokenizer", default=None, metavar="DIR",
-                        help=f"copy tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...) "
-                             f"from DIR into --out (default: those found in --src)")
+    def common(sp):
+        add(sp, "--src", CMD, required=True)
+        add(sp, "--out", CMD, kind=OUTPUT_KIND[sp.prog.split()[-1]], overwrite="overwrite",
+            required=True)
+        for name in ("--num-layers", "--dtype", "--overwrite", "--tokenizer"):
+            add(sp, name, CMD)
 
     def shards(sp):
-        sp.add_argument("--max-shard-gb", type=finite_number, default=5.0,
-                        help="split model.safetensors into shards of at most this size "
-                             "(default 5)")
+        add(sp, "--max-shard-gb", CMD)
 
     common(sub.add_parser("hf-to-orbax", help="HF model dir -> s2d-jax params checkpoint",
                           description="HF LlamaForCausalLM dir (config.json + safetensors or "
                                       "pytorch_model.bin, sharded or not) -> params checkpoint "
-                                      "(orbax + s2d_config.json)."),
-           "HF model directory", "output params checkpoint directory")
+                                      "(orbax + s2d_config.json)."))
     sp = sub.add_parser("orbax-to-hf", help="s2d-jax params checkpoint -> HF model dir",
                         description="params checkpoint -> HF dir loadable by "
                                     "transformers.LlamaForCausalLM.from_pretrained; extra "
                                     "settings such as s2d_exits go into config.json.")
-    common(sp, "params checkpoint directory", "output HF model directory")
+    common(sp)
     shards(sp)
     sp = sub.add_parser("hf-to-hf", help="HF dir -> HF dir (truncate layers / cast dtype)",
                         description="Re-export an HF dir, e.g. its first N layers as a draft.")
-    common(sp, "HF model directory", "output HF model directory")
+    common(sp)
     shards(sp)
     for target, what in (("hf", "HF model directory"), ("orbax", "params checkpoint")):
         sp = sub.add_parser(f"gguf-to-{target}", help=f"llama.cpp GGUF file -> {what}",
                             description=f"GGUF file (llama architecture; F32/F16/BF16/Q8_0/"
                                         f"Q4_0/Q4_1 and K-quant tensors) -> {what}, with the "
                                         f"tokenizer and chat template from its metadata.")
-        common(sp, "GGUF file", f"output {what}")
+        common(sp)
         if target == "hf":
             shards(sp)
     for name, what in (("pack-draft", "draft model (HF dir / checkpoint) -> draft pack"),
                        ("unpack-draft", "draft pack -> complete HF model dir")):
         sp = sub.add_parser(name, help=what, description=what + "; --target is the model "
                             "whose embedding (and head) the draft shares.")
-        add_input(sp, "--src", required=True, help="the draft")
-        add_input(sp, "--target", required=True,
-                        help="its target (dir or .gguf)")
-        add_output(sp, "--out", kind=OUTPUT_KIND[name], overwrite="overwrite", required=True,
-                   help="output directory")
-        sp.add_argument("--overwrite", action="store_true",
-                        help="replace --out if it exists (only once the new output is complete)")
+        add(sp, "--src", CMD, required=True)
+        add(sp, "--target", CMD, required=True)
+        add(sp, "--out", CMD, kind=OUTPUT_KIND[name], overwrite="overwrite", required=True)
+        add(sp, "--overwrite", CMD)
         if name == "pack-draft":
             sp.add_argument("--weights", choices=("int8", "bfloat16"), default="int8",
                             help="storage of the draft's layer matrices (default int8, one "

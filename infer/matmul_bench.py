@@ -7,26 +7,29 @@ process and interleaved (s2d_jax/bench/matmul_costs.py).
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import ArgumentParser, add_input, parse_ints
+from s2d_jax.cli.args import ArgumentParser, parse_ints
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "matmul-bench"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m infer.matmul_bench", description=__doc__)
-    add_input(p, "--target", required=True,
-                   help="HF model dir, params checkpoint or .gguf")
+    add(p, "--target", CMD, required=True)
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="row counts M to time (first = the base)")
-    p.add_argument("--repeats", type=int, default=15, help="rounds of calls; the median is kept")
-    p.add_argument("--position", type=int, default=400,
+    add(p, "--repeats", CMD)
+    p.add_argument("--cache-position", type=int, default=400,
                    help="cache position of the step's first token (attention reads up to it)")
     p.add_argument("--max-len", type=int, default=1280, help="K/V cache slots")
     args = p.parse_args(argv)
     args.rows = parse_ints(args.rows, "--rows", minimum=1)
     if args.repeats < 1:
         raise S2DError(f"--repeats must be >= 1, got {args.repeats}")
-    if not 0 <= args.position <= args.max_len - max(args.rows):
-        raise S2DError(f"--position {args.position} leaves no room for {max(args.rows)} tokens "
-                       f"in --max-len {args.max_len}; lower --position or raise --max-len")
+    if not 0 <= args.cache_position <= args.max_len - max(args.rows):
+        raise S2DError(f"--cache-position {args.cache_position} leaves no room for "
+                       f"{max(args.rows)} tokens in --max-len {args.max_len}; lower "
+                       f"--cache-position or raise --max-len")
     return args
 
 
@@ -39,7 +42,7 @@ def main(argv=None):
 
     cfg, params, _ = load_model(args.target)
     print(f"matmul path: {small_matmul.status()}")
-    compiled = matmul_costs.probes(params, cfg, args.rows, args.max_len, args.position)
+    compiled = matmul_costs.probes(params, cfg, args.rows, args.max_len, args.cache_position)
     med = matmul_costs.measure(compiled, args.repeats)
     print("\n".join(matmul_costs.table(med, args.rows)))
     return 0

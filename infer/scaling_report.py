@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import os
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, parse_floats
+from s2d_jax.cli.args import ArgumentParser, add_input, parse_floats
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR
+
+CMD = "scaling-report"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.scaling_report", description=__doc__)
     add_input(ap, "--points", required=True, help="the study's points (JSON lines)")
-    add_output(ap, "--out", kind=DIR, required=True, help="report dir (table.md, fits.json, scaling.png)")
-    ap.add_argument("--levels", default="0.35,0.45",
-                    help="agreement levels to predict the needed tokens for")
+    add(ap, "--out", CMD, kind=DIR, required=True)
+    add(ap, "--levels", CMD)
     args = ap.parse_args(argv)
     args.levels = parse_floats(args.levels, "--levels", nonempty=True)
     if not all(0 < v < 1 for v in args.levels):

@@ -2,16 +2,19 @@
 sorted draft (Vicuna-7B's first 12 layers, exits 6,9,12), AR / SD / S2D, on v5e, v5p and
 v6e slices, compiled by the TPU compiler on this machine (libtpu, no TPU):
 
-    python -m infer.tpu_fits --out runs/tpu_fits.md
+    python -m infer.tpu_fits --out-file runs/tpu_fits.md
 
 Prints a markdown table (s2d_jax/decode/tpu_fits.py says what each column is) and writes it
-to --out. ~50 compiles: about half an hour on 2 CPU cores.
+to --out-file. ~50 compiles: about half an hour on 2 CPU cores.
 """
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import ArgumentParser, add_output, parse_ints
+from s2d_jax.cli.args import ArgumentParser, parse_ints
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "tpu-fits"  # its s2d subcommand: the name its shared flags are defined for
 
 TARGETS = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
            "vicuna-13b": "configs/models/vicuna-13b-v1.5.yaml",
@@ -21,13 +24,13 @@ DRAFT = "configs/models/vicuna-7b-v1.5.yaml"
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.tpu_fits", description=__doc__)
-    add_output(p, "--out", required=True, help="markdown file to write the table to")
-    p.add_argument("--targets", default=",".join(TARGETS), metavar="NAMES",
-                   help="comma-separated, of " + ", ".join(TARGETS))
+    add(p, "--out-file", CMD, required=True)
+    # model presets by name, not model paths: not the shared --target
+    p.add_argument("--models", default=",".join(TARGETS), metavar="NAMES",
+                   help="the target presets, comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--chips", default="v5e,v5p,v6e", help="chip generations")
-    p.add_argument("--methods", default="ar,sd,s2d", help="decode methods, comma-separated")
-    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
-    p.add_argument("--context", type=int, default=4096, help="context length of every row")
+    for name in ("--methods", "--batch-sizes", "--context"):
+        add(p, name, CMD)
     return p.parse_args(argv)
 
 
@@ -42,12 +45,12 @@ def _pick(text, known, flag):
 @cli_main
 def main(argv=None):
     args = _parse(argv)
-    targets = _pick(args.targets, TARGETS, "--targets")
+    targets = _pick(args.models, TARGETS, "--models")
     chips = _pick(args.chips, ("v5e", "v5p", "v6e"), "--chips")
     methods = _pick(args.methods, ("ar", "sd", "s2d"), "--methods")
-    batches = parse_ints(args.batch, "--batch", minimum=1)
+    batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
     from s2d_jax.io.outputs import Output, check_outputs
-    check_outputs([Output("--out", args.out)], {})
+    check_outputs([Output("--out-file", args.out_file)], {})
     import dataclasses
 
     from s2d_jax.parallel import topology
@@ -75,7 +78,7 @@ def main(argv=None):
                     rows.append(row)
                     print(markdown([row])[-1], flush=True)
     table = markdown(rows)
-    write_atomic(args.out, "\n".join(table) + "\n")
+    write_atomic(args.out_file, "\n".join(table) + "\n")
     print("\n".join(table))
     return 0
 

@@ -17,6 +17,8 @@ from s2d_jax.readers import expand_path
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SHIPPED_DRAFT = "smollm2-draft"
 _ON, _OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+# the clone's root (also an editable install's); a wheel has none, its files are package data
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cache_root() -> str:
@@ -55,12 +57,45 @@ def shipped_draft_dir() -> str:
             return path
     except (ModuleNotFoundError, TypeError):
         pass
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
-                        SHIPPED_DRAFT)
+    return os.path.join(_REPO, "models", SHIPPED_DRAFT)
 
 
 # models found by name from any directory (a path that exists is taken as a path first)
 MODEL_NAMES = {"smollm2": smollm2_dir, "smollm2-draft": shipped_draft_dir}
+
+
+# shipped folders of the clone -> the package an installed wheel holds them in (pyproject.toml)
+SHIPPED_DIRS = {"data": "s2d_jax.shipped_data", "configs": "s2d_jax.shipped_configs"}
+
+
+def shipped_file(rel: str) -> str | None:
+    """Where the clone's `data/...` or `configs/...` file `rel` lies from any directory:
+    the clone's copy, else an installed wheel's package data; None if neither has it."""
+    head, _, rest = rel.replace(os.sep, "/").partition("/")
+    if head not in SHIPPED_DIRS or not rest or os.path.isabs(rel):
+        return None
+    path = os.path.join(_REPO, rel)
+    if os.path.isfile(path):
+        return path
+    try:
+        from importlib.resources import files
+        path = files(SHIPPED_DIRS[head])
+        for part in rest.split("/"):  # one part at a time: a namespace package's path
+            path = path.joinpath(part)  # takes one (Python 3.11)
+        path = str(path)
+    except (ModuleNotFoundError, TypeError):
+        return None
+    return path if os.path.isfile(path) else None
+
+
+def resolve_input(spec: str) -> str:
+    """An input path flag's value: an existing path as given (~ and $VARS expanded), a file
+    the project ships (`data/demo_questions.jsonl`, `configs/train/...`) from any directory
+    (shipped_file), anything else as given (its reader says it is missing)."""
+    path = expand_path(spec)
+    if os.path.exists(path):
+        return path
+    return shipped_file(path) or path
 
 
 def resolve_model(spec: str) -> str:

@@ -18,7 +18,7 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
     out = tmp_path / "agree.json"
     agreement.main(["--target", TARGET, "--draft", DRAFT, "--draft", DRAFT, "--questions",
                     QUESTIONS, "--max-prompts", "3", "--max-new-tokens", "16",
-                    "--chat-template", "none", "--out", str(out)])
+                    "--chat-template", "none", "--out-file", str(out)])
     printed = capsys.readouterr().out
     lines = [ln for ln in printed.splitlines() if ln.startswith(DRAFT)]
     assert [ln.count("exit ") for ln in lines] == [3, 3]  # 3 exits, the draft twice
@@ -42,7 +42,7 @@ def test_the_target_as_its_own_draft_agrees_everywhere(tmp_path):
     out = tmp_path / "self.json"
     agreement.main(["--target", TARGET, "--draft", TARGET, "--questions", QUESTIONS,
                     "--max-prompts", "2", "--max-new-tokens", "12", "--chat-template", "none",
-                    "--out", str(out)])
+                    "--out-file", str(out)])
     (row,) = json.loads(out.read_text())["drafts"][TARGET]
     assert row["agreement"] == 1.0
     assert abs(row["accept_t1"] - 1.0) < 1e-5

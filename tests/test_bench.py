@@ -55,7 +55,7 @@ def test_bench_end_to_end_report_is_consistent(family, capsys):
     out = family / "out"
     (family / "target" / SERVING_CONFIG).write_text(json.dumps({"thresholds": [0.2, 0.0],
                                                                  "gamma": 2}))
-    rc = main(["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+    rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-prompts", "2",
                "--methods", "ar,s2d,s2d-cal", "--temperatures", "0", "--max-new-tokens", "8",
                "--gamma", "2", "--out", str(out)])
@@ -178,9 +178,9 @@ def _error(capsys, argv):
 
 
 def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
-    base = ["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+    base = ["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
             "--questions", str(family / "q.jsonl"), "--out", str(tmp_path / "o")]
-    assert "does not exist" in _error(capsys, ["--targets", f"t={tmp_path / 'nope'}"] + base[2:])
+    assert "does not exist" in _error(capsys, ["--target", f"t={tmp_path / 'nope'}"] + base[2:])
     assert "does not exist" in _error(capsys, base[:4] + ["--questions", str(tmp_path / "x")])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "turns": []}\n')
@@ -195,7 +195,7 @@ def test_bench_bad_input_is_one_line_exit_2(family, capsys, tmp_path):
 def test_bench_subprocess_error_exit_code(tmp_path):
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-m", "infer.bench", "--targets",
+    proc = subprocess.run([sys.executable, "-m", "infer.bench", "--target",
                            f"x={tmp_path / 'missing'}", "--methods", "ar"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -295,7 +295,7 @@ def test_hf_baseline_without_torch_is_a_one_line_error(family, capsys, monkeypat
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "torch" else real(name, *a))
-    err = _error(capsys, ["--targets", f"t={family / 'target'}", "--methods", "ar",
+    err = _error(capsys, ["--target", f"t={family / 'target'}", "--methods", "ar",
                           "--questions", str(family / "q.jsonl"), "--hf-baseline",
                           "--out", str(tmp_path / "o")])
     assert "torch" in err and "pip install -e '.[bench]'" in err

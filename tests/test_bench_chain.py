@@ -162,7 +162,7 @@ def test_quantized_agreement_prefix_fractions():
 def test_bench_chain_bad_input_is_one_line_exit_2(capsys, tmp_path):
     for d in ("target", "draft"):
         (tmp_path / d).mkdir()
-    base = ["--targets", f"t={tmp_path / 'target'}", "--draft", str(tmp_path / "draft"),
+    base = ["--target", f"t={tmp_path / 'target'}", "--draft", str(tmp_path / "draft"),
             "--methods", "ar,s2d", "--temperatures", "0", "--out", str(tmp_path / "o")]
 
     def err(argv):
@@ -187,7 +187,7 @@ def test_bench_with_chains_end_to_end(tmp_path, capsys):
 
     family = export_tiny_family(tmp_path)
     out = family / "out"
-    rc = main(["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+    rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-prompts", "3",
                "--methods", "ar,s2d", "--temperatures", "0,1", "--max-new-tokens", "6",
                "--gamma", "2", "--chain", "t=int8,mu=2",
@@ -243,7 +243,7 @@ def test_bench_with_chains_end_to_end(tmp_path, capsys):
     assert "Polybasic chains" in table and "| t | 0.0 | chain-int8-mu2 | 2 | 2 |" in table
     assert "Quantized intermediates" in table
     capsys.readouterr()
-    assert insertion_main(["--report", str(out / "report.json"), "--temperature", "0"]) == 0
+    assert insertion_main(["--bench-report", str(out / "report.json"), "--only-temperature", "0"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("inserting") == 2 and printed.count("measured:") == 2
 

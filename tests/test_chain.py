@@ -140,7 +140,7 @@ def test_cli_quantized_target_intermediate_is_lossless(models):
     rc = main(["--target", str(root / "target"), "--draft", str(root / "draft"),
                "--method", "s2d", "--thresholds", "0.3,0", "--gamma", "2",
                "--quantize-intermediate", "int8", "--mu", "2", "--max-new-tokens", "6",
-               "--prompts", str(root / "q.jsonl"), "--batch-size", "2", "--out", str(out)])
+               "--questions", str(root / "q.jsonl"), "--batch-size", "2", "--out-file", str(out)])
     assert rc == 0
     tok = load_tokenizer(TOKENIZER)
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -75,7 +75,7 @@ def test_ctrl_c_stops_the_answer_and_history_recalls_the_line(tmp_path):
     out = tmp_path / "rows.jsonl"
     target = _random_target(tmp_path / "target")
     term = Terminal([sys.executable, "-m", "infer.chat", "--target", target, "--method", "ar",
-                     "--chat-template", "none", "--max-new-tokens", "600", "--out", str(out)],
+                     "--chat-template", "none", "--max-new-tokens", "600", "--out-file", str(out)],
                     tmp_path)
     try:
         at = term.read_until(r"you> ")

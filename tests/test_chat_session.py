@@ -99,7 +99,7 @@ def test_chat_cli_runs_a_script_of_two_turns_as_ar_answers(family, answers, tmp_
     out = tmp_path / "s2d.jsonl"
     assert main(["--target", str(root / "target"), "--draft", str(root / "draft"),
                  "--gamma", "2", "--max-new-tokens", str(NEW), "--script", str(script),
-                 "--out", str(out)]) == 0
+                 "--out-file", str(out)]) == 0
     printed = capsys.readouterr()
     assert printed.out.count("you> ") == 5 and printed.out.count("assistant> ") == 3
     assert "2 turn(s): " in printed.out and "(conversation cleared)" in printed.out

@@ -188,7 +188,7 @@ def test_bench_runs_both_turns_and_writes_them(chatml, tmp_path, capsys):
 
     fam = export_family(tmp_path, chatml.path, chatml.vocab_size)
     out = tmp_path / "out"
-    rc = main(["--targets", f"t={fam / 'target'}", "--draft", str(fam / "draft"),
+    rc = main(["--target", f"t={fam / 'target'}", "--draft", str(fam / "draft"),
                "--questions", str(fam / "q.jsonl"), "--methods", "ar,s2d",
                "--temperatures", "0,1", "--max-new-tokens", "6", "--gamma", "2",
                "--out", str(out)])
@@ -227,7 +227,7 @@ def test_smollm2_answers_in_its_own_template_and_stops_at_im_end(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "infer.generate", "--target", f"r={SMOLLM2}", "--method", "ar",
          "--prompt", "What is the capital of France?", "--max-new-tokens", "32",
-         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
+         "--out-file", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
         env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr
     assert "no chat template" not in proc.stderr

@@ -86,7 +86,7 @@ def test_convert_pack_and_unpack_and_bench_with_a_pack_is_lossless(family, tmp_p
                                            str(tmp_path / "p2")])
     assert "--target" in err and not (tmp_path / "p2").exists()
     out = tmp_path / "bench"
-    assert bench_cli.main(["--targets", f"t={family / 'target'}", "--draft", str(pack),
+    assert bench_cli.main(["--target", f"t={family / 'target'}", "--draft", str(pack),
                            "--questions", str(family / "q.jsonl"), "--max-prompts", "2",
                            "--methods", "ar,sd,s2d", "--temperatures", "0",
                            "--max-new-tokens", "8", "--gamma", "2", "--cost-every", "2",

@@ -68,9 +68,9 @@ def test_s2d_cli_writes_lossless_jsonl(models):
     out = root / "out.jsonl"
     rc = main(["--target", f"vic={root / 'target'}", "--draft", str(root / "draft"),
                "--method", "s2d", "--thresholds", "0.3,0", "--gamma", "2",
-               "--max-new-tokens", "6", "--prompts", str(root / "q.jsonl"),
+               "--max-new-tokens", "6", "--questions", str(root / "q.jsonl"),
                "--batch-size", "2", "--time-split", "--chat-template", "vicuna",
-               "--out", str(out)])
+               "--out-file", str(out)])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     # every turn answered, in order: question 7's second turn after its own first answer
@@ -120,7 +120,7 @@ def test_cli_bad_input_is_one_line_exit_2(models, capsys):
     assert "unknown target" in _error(capsys, base + ["--route", "nope"])
     assert "vocab_size" in _error(capsys, ["--target", str(root / "target"), "--draft",
                                            str(root / "bad_draft"), "--prompt", "hi"])
-    assert "does not exist" in _error(capsys, base[:-2] + ["--prompts", str(root / "no.jsonl")])
+    assert "does not exist" in _error(capsys, base[:-2] + ["--questions", str(root / "no.jsonl")])
 
 
 @pytest.mark.parametrize("method", ["sd", None])  # None: the default, s2d

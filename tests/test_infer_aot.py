@@ -76,21 +76,21 @@ def _cli(*args):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml",
+    (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml",
       "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide target.num_heads=4"),
-    (["--target", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
+    (["--target-config", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
       "data=2,tensor=2"], "error: mesh data=2 x fsdp=1 x tensor=2 = 4 devices, but 8 are"),
-    (["--target", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
+    (["--target-config", "configs/models/llama2-70b-chat.yaml", "--method", "ar", "--mesh",
       "tensor=16"], "error: mesh data=1 x fsdp=1 x tensor=16 = 16 devices, but 8 are"),
-    (["--target", "configs/models/llama2-70b-chat.yaml", "--draft", "configs/models/tiny.yaml",
+    (["--target-config", "configs/models/llama2-70b-chat.yaml", "--draft-config", "configs/models/tiny.yaml",
       "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide draft.num_heads=4"),
-    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+    (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml", "--roofline",
       "--device-memory", "24"], "error: no memory bandwidth known for --device-memory 24"),
-    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+    (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml", "--roofline",
       "--acceptance", "0.3,1"], "error: --acceptance '0.3,1': give per-token acceptance rates"),
-    (["--target", "configs/models/tiny.yaml", "--method", "ar", "--roofline"],
-     "error: --roofline compares AR with SD and S2D; pass --draft"),
-    (["--target", "configs/models/tiny.yaml", "--draft", "configs/models/tiny.yaml", "--roofline",
+    (["--target-config", "configs/models/tiny.yaml", "--method", "ar", "--roofline"],
+     "error: --roofline compares AR with SD and S2D; pass --draft-config"),
+    (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml", "--roofline",
       "--bandwidth", "nan"], "error: argument --bandwidth: 'nan' is not a finite number"),
 ])
 def test_cli_refuses_a_mesh_that_does_not_fit_with_one_line(args, message):
@@ -103,9 +103,9 @@ def test_cli_refuses_a_mesh_that_does_not_fit_with_one_line(args, message):
 @pytest.mark.slow
 def test_70b_target_with_12_layer_draft_compiles_on_8_devices():
     """The paper-scale claim: Llama-2-70B + 12-layer Vicuna-7B draft, bf16, tensor=8."""
-    proc = _cli("--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+    proc = _cli("--target-config", "configs/models/llama2-70b-chat.yaml", "--draft-config",
                 "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--exits",
-                "6,9,12", "--mesh", "tensor=8", "--batch", "1,8", "--context", "4096",
+                "6,9,12", "--mesh", "tensor=8", "--batch-sizes", "1,8", "--context", "4096",
                 "--dtype", "bfloat16", "--device-memory", "h100-80gb", "--check-gathers")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -125,9 +125,9 @@ def test_70b_decode_loop_updates_caches_in_place():
     70B target with the 12-layer draft (tensor=8) for AR, SD and S2D. In float32: XLA:CPU
     runs a bf16 cache update through f32 (a whole-cache convert, then a copy back into the
     carried buffer), which GPUs and TPUs do not; float32 shows the program's own copies."""
-    common = ["--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+    common = ["--target-config", "configs/models/llama2-70b-chat.yaml", "--draft-config",
               "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--mesh", "tensor=8",
-              "--batch", "1", "--context", "4096", "--dtype", "float32", "--check-copies"]
+              "--batch-sizes", "1", "--context", "4096", "--dtype", "float32", "--check-copies"]
     for extra in (["--method", "ar"], ["--method", "sd", "--exits", "12"],
                   ["--method", "s2d", "--exits", "6,9,12"]):
         proc = _cli(*common, *extra)
@@ -149,9 +149,9 @@ def test_70b_roofline_of_ar_sd_and_s2d_with_the_12_layer_draft():
     method's round bytes per device beside its minimum, the bound at an H100's bandwidth and
     Lemma 3.1's speedup bound; S2D's escalating round moves more than its never-escalating
     one, and every round at least its minimum."""
-    proc = _cli("--target", "configs/models/llama2-70b-chat.yaml", "--draft",
+    proc = _cli("--target-config", "configs/models/llama2-70b-chat.yaml", "--draft-config",
                 "configs/models/vicuna-7b-v1.5.yaml", "--draft-layers", "12", "--exits",
-                "6,9,12", "--mesh", "tensor=8", "--batch", "1", "--context", "4096",
+                "6,9,12", "--mesh", "tensor=8", "--batch-sizes", "1", "--context", "4096",
                 "--dtype", "bfloat16", "--device-memory", "h100-80gb", "--roofline")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

@@ -75,7 +75,7 @@ def _report(path, with_chains=True):
 
 def test_report_mode_prints_every_chain_with_the_measurement(capsys, tmp_path):
     rep = _report(tmp_path / "report.json")
-    out = _run(capsys, ["--report", str(rep)])
+    out = _run(capsys, ["--bench-report", str(rep)])
     blocks = out.split("\n\n")
     assert len(blocks) == 2
     # chain-int8: 7 -> 12/4 + 3/2 + 4/2 = 6.5, helps, measured 1.05x faster: agrees
@@ -85,7 +85,8 @@ def test_report_mode_prints_every_chain_with_the_measurement(capsys, tmp_path):
     # chain-m: 12/2.2 + 8/1.5 + 4/1.5 > 7, hurts, yet measured faster: disagrees
     assert _totals(blocks[1]) == pytest.approx([7.0, 12 / 2.2 + 8 / 1.5 + 4 / 1.5], rel=1e-4)
     assert "inserting hurts" in blocks[1] and "DISAGREES" in blocks[1]
-    assert _run(capsys, ["--report", str(rep), "--target", "l", "--temperature", "0"]) == out
+    assert _run(capsys, ["--bench-report", str(rep), "--only-target", "l",
+                         "--only-temperature", "0"]) == out
 
 
 def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
@@ -106,15 +107,16 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     assert "accept lengths" in err(["--costs", "10,1", "--accept", "2,3", "--beta", "4",
                                     "--candidate-cost", "3", "--new-accept", "4,2"])
     rep = _report(tmp_path / "report.json")
-    assert "not both" in err(["--report", str(rep), "--beta", "4"])
-    assert "does not exist" in err(["--report", str(tmp_path / "missing.json")])
+    assert "not both" in err(["--bench-report", str(rep), "--beta", "4"])
+    assert "does not exist" in err(["--bench-report", str(tmp_path / "missing.json")])
     (tmp_path / "junk.json").write_text("not json")
-    assert "not a report.json" in err(["--report", str(tmp_path / "junk.json")])
-    assert "unknown" not in err(["--report", str(rep), "--target", "xl"])
-    assert "has l, s" in err(["--report", str(rep), "--target", "xl"])
-    assert "no chain results" in err(["--report", str(rep), "--target", "s"])
-    assert "no chain results at T=1" in err(["--report", str(rep), "--temperature", "1"])
-    assert "select results of a --report" in err(BASE + ["--target", "l"])
+    assert "not a report.json" in err(["--bench-report", str(tmp_path / "junk.json")])
+    assert "unknown" not in err(["--bench-report", str(rep), "--only-target", "xl"])
+    assert "has l, s" in err(["--bench-report", str(rep), "--only-target", "xl"])
+    assert "no chain results" in err(["--bench-report", str(rep), "--only-target", "s"])
+    assert "no chain results at T=1" in err(["--bench-report", str(rep),
+                                              "--only-temperature", "1"])
+    assert "select results of a --bench-report" in err(BASE + ["--only-target", "l"])
 
 
 def test_report_with_a_broken_chain_entry_is_one_line(capsys, tmp_path):
@@ -122,4 +124,4 @@ def test_report_with_a_broken_chain_entry_is_one_line(capsys, tmp_path):
     data = json.loads(rep.read_text())
     del data["targets"]["l"]["chains"]["chain-m"]["by_temperature"]["0.0"]["insertion"]["after"]
     rep.write_text(json.dumps(data))
-    assert "lacks the insertion fields" in cli_error(main, capsys, ["--report", str(rep)])
+    assert "lacks the insertion fields" in cli_error(main, capsys, ["--bench-report", str(rep)])

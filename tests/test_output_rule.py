@@ -24,7 +24,7 @@ import re
 import pytest
 
 import s2d_jax.cli.args
-from s2d_jax.cli.args import ArgumentParser, path_arg
+from s2d_jax.cli.args import ArgumentParser, input_arg, path_arg
 from s2d_jax.errors import S2DError
 from s2d_jax.io.outputs import CACHE, DIR, FILE, MARKER
 from test_cli_fuzz import REPO, check_one_error, snapshot
@@ -99,7 +99,7 @@ def test_every_command_declares_its_paths(module):
                 # a flag with metavar NAME(S) names things, not paths (insertion's --target)
                 takes_text = (a.type in (None, str) and a.nargs != 0 and not a.choices
                               and a.metavar not in ("NAME", "NAMES"))
-                if a.type is path_arg or (takes_text and any(PATHLIKE.match(n) for n in names)):
+                if a.type in (path_arg, input_arg) or (takes_text and any(PATHLIKE.match(n) for n in names)):
                     assert _declared(a), (
                         f"{module}: {names[0]} looks like a path but is declared with "
                         f"add_argument; use s2d_jax.cli.args.add_input or add_output so the output "

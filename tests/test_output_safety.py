@@ -75,14 +75,14 @@ def test_convert_out_holding_the_src_keeps_src_and_siblings(refused, ws):
 
 
 def test_generate_out_is_its_prompts_or_inside_the_model(refused, ws):
-    gen = ["--target", "in/T", "--method", "ar", "--prompts", "in/q.jsonl", "--out"]
-    refused("infer.generate", gen + ["in/q.jsonl"], ws, ["is the input --prompts"])
+    gen = ["--target", "in/T", "--method", "ar", "--questions", "in/q.jsonl", "--out-file"]
+    refused("infer.generate", gen + ["in/q.jsonl"], ws, ["is the input --questions"])
     refused("infer.generate", gen + ["in/T/config.json"], ws, ["lies inside the input --target"])
 
 
 def test_agreement_out_is_its_questions(refused, ws):
     refused("infer.agreement", ["--target", "in/T", "--draft", D_SRC, "--questions",
-                                "in/q.jsonl", "--out", "in/q.jsonl"], ws,
+                                "in/q.jsonl", "--out-file", "in/q.jsonl"], ws,
             ["is the input --questions", "outside every input"])
 
 
@@ -228,13 +228,13 @@ COMMANDS = {
     "convert-hf-to-orbax": ("infer.convert", "in/T", lambda o: [
         "hf-to-orbax", "--src", "in/T", "--out", o, "--overwrite"]),
     "generate": ("infer.generate", "in/q.jsonl", lambda o: [
-        "--target", "in/T", "--method", "ar", "--prompts", "in/q.jsonl", "--out", o]),
+        "--target", "in/T", "--method", "ar", "--questions", "in/q.jsonl", "--out-file", o]),
     "generate-model": ("infer.generate", "in/T", lambda o: [
-        "--target", "in/T", "--method", "ar", "--prompt", "hi", "--out", o]),
+        "--target", "in/T", "--method", "ar", "--prompt", "hi", "--out-file", o]),
     "agreement": ("infer.agreement", "in/q.jsonl", lambda o: [
-        "--target", "in/T", "--draft", D_SRC, "--questions", "in/q.jsonl", "--out", o]),
+        "--target", "in/T", "--draft", D_SRC, "--questions", "in/q.jsonl", "--out-file", o]),
     "bench": ("infer.bench", "in/q.jsonl", lambda o: [
-        "--targets", "s=in/T", "--methods", "ar", "--questions", "in/q.jsonl", "--out", o]),
+        "--target", "s=in/T", "--methods", "ar", "--questions", "in/q.jsonl", "--out", o]),
     "calibrate": ("infer.calibrate", "in/q.jsonl", lambda o: [
         "--target", "in/T", "--draft", D_SRC, "--questions", "in/q.jsonl", "--report", o]),
     "soft-metrics": ("train.soft", "in/d.json", lambda o: [

@@ -39,8 +39,16 @@ def test_readme_main_command_fetches_then_runs_s2d_with_the_committed_draft():
     assert fetch == "python -m infer.fetch_smollm2"
     argv = shlex.split(generate)
     assert argv[:3] == ["python", "-m", "infer.generate"] and "s2d" in argv
-    draft = argv[argv.index("--draft") + 1]
-    assert os.path.isfile(os.path.join(ROOT, draft, "s2d_draft_pack.json"))  # committed
+    from s2d_jax.env import resolve_model
+    draft = resolve_model(argv[argv.index("--draft") + 1])  # a name, found from any directory
+    assert os.path.isfile(os.path.join(draft, "s2d_draft_pack.json"))  # the committed pack
+    assert os.path.samefile(draft, os.path.join(ROOT, "models", "smollm2-draft"))
+
+
+def test_readme_is_short():
+    """The README stays a front page (issue 44): detail goes to docs/."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert len(f.read().splitlines()) <= 120
 
 
 def test_readme_offline_demo_command_runs_s2d_on_the_committed_demo_family():

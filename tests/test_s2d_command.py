@@ -29,3 +29,29 @@ def test_a_subcommand_runs_its_entry_point(capsys):
         s2d.main(["generate", "--max-new-tokens", "0", "--target", "x", "--prompt", "hi"])
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["generate", "--help"], "usage: s2d generate "),
+    (["convert", "hf-to-hf", "--help"], "usage: s2d convert hf-to-hf "),
+    (["train", "--help"], "usage: s2d train "),
+])
+def test_usage_names_the_command_as_typed(capsys, argv, usage):
+    """`s2d X --help` says `s2d X`; the same entry point run as `python -m` says that, also
+    after an s2d run in the same process."""
+    with pytest.raises(SystemExit):
+        s2d.main(argv)
+    assert capsys.readouterr().out.startswith(usage)
+    module = s2d.entry_module(s2d.SUBCOMMANDS[argv[0]][0])
+    with pytest.raises(SystemExit):
+        module.main(argv[1:])
+    entry = s2d.SUBCOMMANDS[argv[0]][0]
+    assert capsys.readouterr().out.startswith(
+        f"usage: python -m {entry}{usage[len('usage: s2d ') + len(argv[0]):]}")
+
+
+def test_an_error_names_the_command_as_typed(capsys):
+    with pytest.raises(SystemExit) as e:
+        s2d.main(["bench", "--target", "t=x", "--max-new-tokens", "many"])
+    assert e.value.code == 2
+    assert "see s2d bench --help" in capsys.readouterr().err

@@ -95,7 +95,7 @@ def test_bad_settings_are_errors_before_any_compilation(exits, kw, match):
 def test_bench_step_breakdown_goes_into_the_report(tmp_path, capsys):
     family = export_tiny_family(tmp_path)
     out = tmp_path / "out"
-    rc = main(["--targets", f"t={family / 'target'}", "--draft", str(family / "draft"),
+    rc = main(["--target", f"t={family / 'target'}", "--draft", str(family / "draft"),
                "--questions", str(family / "q.jsonl"), "--max-prompts", "1",
                "--methods", "ar,s2d", "--temperatures", "0", "--max-new-tokens", "8",
                "--gamma", "2", "--step-breakdown", "--out", str(out)])
@@ -113,7 +113,7 @@ def test_bench_step_breakdown_goes_into_the_report(tmp_path, capsys):
 
 def test_bench_step_breakdown_needs_a_draft(tmp_path, capsys):
     (tmp_path / "target").mkdir()  # the flags are checked before any model is loaded
-    err = cli_error(main, capsys, ["--targets", f"t={tmp_path / 'target'}", "--methods", "ar",
+    err = cli_error(main, capsys, ["--target", f"t={tmp_path / 'target'}", "--methods", "ar",
                                    "--step-breakdown", "--out", str(tmp_path / "out")])
     assert "--step-breakdown" in err and "--draft" in err
     assert not (tmp_path / "out").exists()

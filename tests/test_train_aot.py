@@ -36,7 +36,7 @@ def test_sharded_step_compiles_from_abstract_shapes_and_reports_memory():
 def test_paper_7b_soft_step_compiles_on_8_fake_devices():
     proc = subprocess.run(
         [sys.executable, "-m", "train.aot", "--fake-devices", "8", "--config",
-         "configs/train/vicuna7b_soft.yaml", "--target", "configs/models/vicuna-7b-v1.5.yaml"],
+         "configs/train/vicuna7b_soft.yaml", "--target-config", "configs/models/vicuna-7b-v1.5.yaml"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert proc.returncode == 0, proc.stderr[-3000:]

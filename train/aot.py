@@ -1,7 +1,7 @@
 """Lower and compile a SoFT training step ahead of time on abstract shapes; print memory.
 
     python -m train.aot --fake-devices 8 --config configs/train/vicuna7b_soft.yaml \\
-        --target configs/models/vicuna-7b-v1.5.yaml [key=value ...]
+        --target-config configs/models/vicuna-7b-v1.5.yaml [key=value ...]
 
 No weights are read or allocated: the target's config (a model YAML or an HF dir /
 config.json) only gives the shapes, and the draft is its first `draft.exits[-1]` layers.
@@ -12,27 +12,25 @@ assumed: measure it there), and with --cache-tokens N how long one pass over N t
 takes (s2d_jax/train/throughput.py):
 
     python -m train.aot --config configs/train/engine_h100.yaml \
-        --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --throughput h100 --cache-tokens 2.3e6
+        --target-config ~/.cache/s2d-jax/SmolLM2-135M-Instruct --throughput h100 --cache-tokens 2.3e6
 """
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import (ArgumentParser, add_fake_devices_flag, add_input, fake_cpu_devices,
-                        finite_number)
+from s2d_jax.cli.args import ArgumentParser, fake_cpu_devices, finite_number
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "train-aot"  # its s2d subcommand: the name its shared flags are defined for
 from s2d_jax.train.throughput import ACCELERATORS
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m train.aot", description=__doc__)
-    add_input(p, "--config", required=True,
-                   help="training YAML (configs/train/*.yaml)")
-    add_input(p, "--target", default=None,
-                   help="model YAML / HF dir / config.json giving the shapes (default: model.path)")
-    add_fake_devices_flag(p)
-    p.add_argument("--topology", default=None, metavar="NAME",
-                   help="compile with the TPU compiler for this topology's compile-only devices "
-                        "(e.g. v5p:4x4x4, 64 chips on 16 hosts; needs libtpu, no TPU)")
+    add(p, "--config", CMD, required=True)
+    add(p, "--target-config", CMD, dest="target")  # shapes, not a model: not --target
+    add(p, "--fake-devices", CMD)
+    add(p, "--topology", CMD)
     p.add_argument("--throughput", choices=sorted(ACCELERATORS), default=None,
                    help="estimate the tokens a minute this accelerator trains")
     p.add_argument("--mfu", type=finite_number, default=0.35,

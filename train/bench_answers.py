@@ -1,5 +1,5 @@
 """Answer-generation throughput of a target against batch size: the data engine's default
-batch (train/data_engine.py ANSWER_BATCH) is the fastest measured here.
+batch (data-engine's --batch-size, s2d_jax/cli/flags.py) is the fastest measured here.
 
     python -m train.bench_answers --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \
         --batch-sizes 8,16,32 --max-new-tokens 32
@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import time
 
-from s2d_jax.cli.args import ArgumentParser, add_input, parse_ints
+from s2d_jax.cli.args import ArgumentParser, input_arg, parse_ints
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "bench-answers"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def throughput(decoder, tok, prompts, batch_size: int, max_new_tokens: int) -> float:
@@ -31,9 +34,9 @@ def throughput(decoder, tok, prompts, batch_size: int, max_new_tokens: int) -> f
 @cli_main
 def main(argv=None):
     ap = ArgumentParser(prog="python -m train.bench_answers", description=__doc__)
-    add_input(ap, "--target", required=True, help="the target's HF dir")
-    ap.add_argument("--batch-sizes", default="8,16,32", help="batch sizes to time")
-    ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length cap")
+    add(ap, "--target", CMD, required=True)
+    add(ap, "--batch-sizes", CMD)
+    add(ap, "--max-new-tokens", CMD)
     args = ap.parse_args(argv)
     sizes = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
     if args.max_new_tokens < 1:
@@ -45,7 +48,7 @@ def main(argv=None):
     cfg, params, _ = load_model(args.target, dtype="float32")
     tok = load_tokenizer(args.target)
     decoder = Decoder(cfg, params, method="ar", name="target")
-    prompts = prompts_from_file("data/gsm8k_train.jsonl")[:max(sizes)]
+    prompts = prompts_from_file(input_arg("data/gsm8k_train.jsonl"))[:max(sizes)]
     for b in sizes:
         print(f"batch {b}: {throughput(decoder, tok, prompts, b, args.max_new_tokens):.1f} "
               f"answer tokens/s", flush=True)

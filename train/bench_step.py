@@ -1,6 +1,6 @@
 """Training-step time with several exits vs one exit on the same model, side by side.
 
-    python -m train.bench_step [--model configs/models/X.yaml] [--exits 6,9,12] ...
+    python -m train.bench_step [--model configs/models/X.yaml] [--train-exits 6,9,12] ...
 
 Both steps are compiled and warmed up first, then timed alternately (A, B, A, B, ...) so
 machine noise hits both equally; the medians and their ratio are printed (the SoFT goal is
@@ -13,26 +13,29 @@ from __future__ import annotations
 import time
 
 from s2d_jax.cli.args import ArgumentParser, add_input, check_at_least, parse_ints
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+
+CMD = "bench-step"  # its s2d subcommand: the name its shared flags are defined for
 
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m train.bench_step", description=__doc__)
     add_input(p, "--model", default=None,
                    help="model YAML (default: 12-layer CPU proxy)")
-    p.add_argument("--exits", default="6,9,12", help="comma-separated exits, e.g. 6,9,12")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    add(p, "--train-exits", CMD)
+    add(p, "--batch-size", CMD)
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--remat", default="full", help="activation rematerialisation policy")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--timed-steps", type=int, default=10, help="timed steps per variant")
     return p.parse_args(argv)
 
 
 @cli_main
 def main(argv=None):
     args = _parse(argv)
-    check_at_least(args, {"batch": 1, "seq": 2, "warmup": 0, "steps": 1})
+    check_at_least(args, {"batch_size": 1, "seq": 2, "warmup": 0, "timed_steps": 1})
     from s2d_jax.model.transformer import REMAT_POLICIES
     if args.remat not in REMAT_POLICIES:  # before anything is compiled
         raise S2DError(f"--remat {args.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
@@ -52,7 +55,7 @@ def main(argv=None):
     cfg = (load_model_config(args.model) if args.model else
            ModelConfig(vocab_size=2000, hidden_size=256, intermediate_size=688, num_layers=12,
                        num_heads=4, num_kv_heads=4, name="bench-proxy"))
-    exits = tuple(parse_ints(args.exits, "--exits"))
+    exits = tuple(parse_ints(args.train_exits, "--train-exits"))
     validate_exits(exits, cfg.num_layers)
     mesh = make_mesh(MeshConfig(), jax.devices()[:1])
     tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), 1000)
@@ -65,12 +68,12 @@ def main(argv=None):
         step = make_train_step(cfg, ex, (1.0,) * len(ex), tx, schedule, mesh, sh, 1, args.remat)
         state = init(jax.tree.map(lambda x: x.copy(), params))
         variants[name] = [step, state, []]
-    it = SyntheticIterator(cfg.vocab_size, args.batch, args.seq, 0)
+    it = SyntheticIterator(cfg.vocab_size, args.batch_size, args.seq, 0)
     batch = global_batch(next(it), mesh)
     print(f"model {cfg.name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
-          f"{cfg.vocab_size}; batch {args.batch} x seq {args.seq}; remat {args.remat}; "
+          f"{cfg.vocab_size}; batch {args.batch_size} x seq {args.seq}; remat {args.remat}; "
           f"{jax.devices()[0].platform}")
-    for i in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.timed_steps):
         for v in variants.values():
             t0 = time.perf_counter()
             v[1], m = v[0](v[1], batch)

@@ -25,54 +25,43 @@ from __future__ import annotations
 import json
 import os
 
-from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least,
-                        comma_paths)
-from s2d_jax.env import smollm2_dir
+from s2d_jax.cli.args import ArgumentParser, add_input, check_at_least, comma_paths
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR
 
-# SmolLM2-135M's answers on the shared 2-core CPU (python -m train.bench_answers, answer
-# tokens/s at batch 8 / 16 / 32): 62.5 / 60.1 / 76.4 with 64-token answers, 58.7 / 45.8 /
-# 41.1 with 32-token ones (the larger batch pays off on longer answers; answers run to
-# 192). Rerun it on another machine (an accelerator takes far larger batches).
-ANSWER_BATCH = 32
-HELDOUT = "data/smollm2_calibration.jsonl"
+CMD = "data-engine"  # its s2d subcommand: the name its shared flags are defined for
 # what the engine sets in the --train config: its cache and outputs under --work
 ENGINE_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "data.teacher",
                "checkpoint.dir", "metrics_path", "export_dir", "export_overwrite")
 
 
 def parse_args(argv):
-    from s2d_jax.data.prompt_pool import DOCUMENT_FILES, TRAINING_FILES
+    from s2d_jax.data.prompt_pool import TRAINING_FILES
     ap = ArgumentParser(prog="python -m train.data_engine", description=__doc__)
-    add_input(ap, "--target", default=smollm2_dir(),
-                    help="the target's HF dir")
-    add_output(ap, "--work", kind=DIR, required=True,
-                    help="where the stages write (e.g. ~/.cache/s2d-jax/engine/smollm2)")
+    add(ap, "--target", CMD)
+    add(ap, "--work", CMD, kind=DIR, required=True)
     add_input(ap, "--prompts", type=str, paths=comma_paths, default=",".join(TRAINING_FILES),
                     help="comma-separated prompt files (GSM8K / self-instruct / ShareGPT)")
     ap.add_argument("--magpie", type=int, default=0, help="user turns the target writes")
     ap.add_argument("--answers", type=int, default=0,
                     help="prompts answered, greedy and at T = 1 (0 = all)")
-    ap.add_argument("--batch-size", type=int, default=ANSWER_BATCH,
-                    help="prompts per generation batch")
-    ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
+    add(ap, "--batch-size", CMD)
+    add(ap, "--max-new-tokens", CMD)
     ap.add_argument("--references", type=int, default=1000,
                     help="GSM8K-train reference solutions teacher-forced (0 = none)")
-    add_input(ap, "--documents", type=str, paths=comma_paths, default=",".join(DOCUMENT_FILES),
-                    help="comma-separated plain-text corpora teacher-forced ('' = none)")
+    add(ap, "--documents", CMD, paths=comma_paths)
     ap.add_argument("--max-tokens", type=int, default=1024,
                     help="tokens per supervision row (documents are cut into windows)")
     ap.add_argument("--teacher-shard", type=int, default=64,
                     help="supervision items per teacher shard (the unit a rerun resumes at)")
-    add_input(ap, "--heldout", default=HELDOUT,
-                    help="held-out questions (Spec-Bench format), kept out of training")
-    ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts scored")
+    add(ap, "--heldout", CMD)
+    add(ap, "--heldout-prompts", CMD)
     ap.add_argument("--heldout-every", type=int, default=100,
                     help="training steps between held-out measurements")
     add_input(ap, "--train", default=None,
                     help="a SoFT config (configs/train/engine_*.yaml): train from the cache")
-    ap.add_argument("--seed", type=int, default=0, help="prompt draw and sampling seed")
+    add(ap, "--seed", CMD)
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the --train config")
     args = ap.parse_args(argv)
     args.prompts, args.documents = comma_paths(args.prompts), comma_paths(args.documents)

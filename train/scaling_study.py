@@ -25,14 +25,14 @@ import os
 import re
 import time
 
-from s2d_jax.cli.args import (ArgumentParser, add_input, add_output, check_at_least, comma_paths,
+from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least, comma_paths,
                         finite_number, parse_floats, parse_ints)
-from s2d_jax.env import cache_root, smollm2_dir
+from s2d_jax.cli.flags import add
+from s2d_jax.env import cache_root
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR
 
-HELDOUT = "data/smollm2_calibration.jsonl"
-CONFIG = "configs/train/scaling_study.yaml"
+CMD = "scaling-study"  # its s2d subcommand: the name its shared flags are defined for
 # 10x for both kinds up to the ~0.91M tokens of teacher-forced text the sources hold at
 # seq_len 256 (GSM8K-train references 0.58M, Shakespeare 0.33M), on-policy on to 2M (the
 # engine's ~7.8k prompts answered twice hold ~2.3M answer tokens)
@@ -57,29 +57,23 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def parse_args(argv):
-    from s2d_jax.data.prompt_pool import DOCUMENT_FILES
     from s2d_jax.data.study_data import KINDS
     ap = ArgumentParser(prog="python -m train.scaling_study", description=__doc__)
     add_input(ap, "--engine", required=True, help="a data engine's --work dir")
-    add_input(ap, "--target", default=smollm2_dir(), help="the target's HF dir")
+    add(ap, "--target", CMD)
     ap.add_argument("--budgets", default=BUDGETS, help="unique supervised tokens per point")
     ap.add_argument("--shapes", default="4,8", help="draft depths (the target's first N layers)")
     ap.add_argument("--exit-step", type=int, default=2, help="an exit every this many layers")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"supervision kinds, of {KINDS}")
-    add_output(ap, "--out", kind=DIR, default=None,
-                    help="study dir (default $S2D_JAX_CACHE/scaling/NAME, NAME the engine dir's name)")
-    add_input(ap, "--heldout", default=HELDOUT,
-                    help="held-out questions (Spec-Bench format; the engine keeps them out of training)")
-    ap.add_argument("--heldout-prompts", type=int, default=40, help="held-out prompts scored")
-    add_input(ap, "--config", default=CONFIG, help="the training recipe")
-    add_input(ap, "--documents", type=str, paths=comma_paths, default=",".join(DOCUMENT_FILES),
-                    help="comma-separated plain-text corpora for teacher_forced points")
-    ap.add_argument("--head-vocab", type=int, default=4096,
-                    help="the draft head's sub-vocabulary (0 = the full vocabulary)")
+    add(ap, "--out", CMD, kind=DIR)
+    for name in ("--heldout", "--heldout-prompts", "--config"):
+        add(ap, name, CMD)
+    add(ap, "--documents", CMD, paths=comma_paths)
+    add(ap, "--head-vocab", CMD)
     ap.add_argument("--epochs", type=finite_number, default=3.0, help="passes over a point's tokens")
     ap.add_argument("--min-steps", type=int, default=100, help="fewest training steps")
     ap.add_argument("--max-steps", type=int, default=4000, help="most training steps")
-    ap.add_argument("--levels", default="0.35,0.45", help="agreement levels the report predicts")
+    add(ap, "--levels", CMD)
     ap.add_argument("--wait-minutes", type=finite_number, default=0,
                     help="while points wait for the engine's data, retry every this many "
                     "minutes (0: stop once the points with data are done)")

@@ -31,10 +31,12 @@ import json
 import os
 import shlex
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number, parse_ints
-from s2d_jax.env import smollm2_dir
-from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.cli.args import ArgumentParser, finite_number, parse_ints
+from s2d_jax.cli.flags import add
+from s2d_jax.errors import cli_main
 from s2d_jax.io.outputs import DIR, DRAFT_PACK
+
+CMD = "train-smollm2-draft"  # its s2d subcommand: the name its shared flags are defined for
 
 # Distillation on the target's whole distribution: at this CPU budget (300 steps) it
 # measured no better than the answer tokens alone (docs/results.md), so it stays off.
@@ -52,21 +54,15 @@ PROMPT_QUOTA = {"data/gsm8k_train.jsonl": 400, "data/self_instruct_seed_tasks.js
 
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m train.smollm2_draft", description=__doc__)
-    add_input(ap, "--target", default=smollm2_dir(),
-                    help="the target's HF dir (fetched "
-                    "by python -m infer.fetch_smollm2)")
-    add_output(ap, "--work", kind=DIR, default="runs/smollm2_draft",
-                    help="data, checkpoints, logs")
-    add_output(ap, "--out", kind=DRAFT_PACK, overwrite="overwrite", default="models/smollm2-draft",
-                    help="the draft pack to write")
-    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    ap.add_argument("--exits", default="2,4,6,8", help="exit depths (layers), ascending")
-    ap.add_argument("--head-vocab", type=int, default=4096,
-                    help="size of the draft head's sub-vocabulary (0 = full vocabulary)")
+    add(ap, "--target", CMD)  # fetched by python -m infer.fetch_smollm2
+    add(ap, "--work", CMD, kind=DIR)
+    add(ap, "--out", CMD, kind=DRAFT_PACK, overwrite="overwrite")
+    for name in ("--overwrite", "--train-exits", "--head-vocab"):
+        add(ap, name, CMD)
     ap.add_argument("--distill-batches", type=int, default=20,
                     help="answer this many batches of 32 prompts, each greedy and at T = 1, "
                     "in the seeded order (0 = all of PROMPT_QUOTA: 28 batches)")
-    ap.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap")
+    add(ap, "--max-new-tokens", CMD)
     ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
     ap.add_argument("--kd-weight", type=finite_number, default=KD_WEIGHT,
                     help="share of the loss on the target's whole distribution rather than "
@@ -79,7 +75,7 @@ def parse_args(argv):
                     help="do not calibrate the new draft's S2D setting")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
-    args.exits = parse_ints(args.exits, "--exits")
+    args.exits = parse_ints(args.train_exits, "--train-exits")
     if not os.path.isdir(args.target):
         ap.error(f"target {args.target} does not exist; fetch it with "
                  f"python -m infer.fetch_smollm2 or pass --target DIR")

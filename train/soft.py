@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from s2d_jax.cli.args import ArgumentParser, add_input
+from s2d_jax.cli.args import ArgumentParser
+from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 
 
@@ -43,8 +44,7 @@ def check_train_outputs(tc, config: str) -> None:
 @cli_main
 def main(argv=None):
     p = ArgumentParser(prog="python -m train.soft", description=__doc__)
-    add_input(p, "--config", required=True,
-                   help="training YAML (configs/train/*.yaml)")
+    add(p, "--config", "train", required=True)
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)

@@ -32,7 +32,7 @@ class CalibrateOptions:
     cost_every: int = 1
     stops: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5)  # () = no draft stop tried
     chat_template: str = "auto"
-    dtype: str = "float32"
+    dtype: str | None = None  # None: as stored (load_model), as the commands' --dtype
 
 
 def stderr_log(msg: str) -> None:

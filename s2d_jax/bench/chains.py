@@ -42,7 +42,7 @@ BATCH_CHECK = 4  # the batch size of the greedy exactness check
 class ChainSpec:
     """One 3-level chain on one target: draft -> intermediate -> target."""
 
-    target: str  # the target's name in --targets
+    target: str  # the target's name in --target NAME=...
     intermediate: str  # a model dir, or "" for the target itself
     quantize: str | None  # quantization of the intermediate (quantize.MODES)
     mu: int | None = None  # accumulation length; None = the chain's gamma
@@ -73,7 +73,7 @@ def parse_chain(text: str, mu: int | None = None) -> ChainSpec:
     name, sep, mid = head.partition("=")
     if not sep or not name or not mid:
         raise S2DError(f"--chain {text!r} is not NAME=MID[,gamma=G][,mu=M]; e.g. l=int8 or "
-                       f"l=models/demo/target-m,mu=8 (NAME as in --targets)")
+                       f"l=models/demo/target-m,mu=8 (NAME as in --target NAME=PATH)")
     values = {}
     for opt in opts:
         key, eq, val = opt.partition("=")

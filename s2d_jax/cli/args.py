@@ -1,6 +1,7 @@
 """Argument parsing shared by the entry points (`infer/`, `train/`): the parser class,
 list flags, range checks of numeric flags (finite floats only), the `[NAME=]PATH` target
-syntax and the `--fake-devices` flag.
+syntax and `--fake-devices`' setting (the flags shared by several commands are defined
+once in s2d_jax/cli/flags.py).
 
 Every check raises a one-line S2DError naming the flag and the fix, which `cli_main`
 prints as `error: ...` (argparse's own errors would print a usage block instead).
@@ -40,6 +41,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text + " (default: %(default)s)"
 
 
+PYTHON_M = "python -m "
+# entry point module (infer.generate) -> the name it runs under now (`s2d generate`); set by
+# s2d_jax/cli/main.py for the duration of one subcommand
+INVOKED_AS: dict[str, str] = {}
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse.ArgumentParser whose errors are one-line S2DErrors (cli_main prints them),
     whose --help shows defaults (HelpFormatter), and which reads negative number lists
@@ -47,6 +54,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        # `python -m infer.X` as the entry point names itself; `s2d X` while the s2d command
+        # runs it (s2d_jax/cli/main.py), so usage lines and errors show the command typed
+        prog = kwargs.get("prog") or ""
+        if prog.startswith(PYTHON_M):
+            kwargs["prog"] = INVOKED_AS.get(prog[len(PYTHON_M):], prog)
         super().__init__(*args, **kwargs)
         # argparse's own pattern (-1, -.5) misses lists and exponents; no flag starts with
         # a digit, so anything like -1,2 or -1e-3 is a value
@@ -124,8 +136,9 @@ def _paths_as_given(value):
 def add_input(container, *flags, paths=_paths_as_given, **kw) -> argparse.Action:
     """A flag naming something the command reads (a model, a data file, a config): outputs
     may not touch it. `paths(value)` -> its path(s) (e.g. NAME=PATH specs' paths). A model
-    flag (--target, --draft) also takes a model's name (model_arg)."""
-    kw.setdefault("type", model_arg if flags[0] in MODEL_FLAGS else path_arg)
+    flag (--target, --draft) also takes a model's name (model_arg), any other a file the
+    project ships from any directory (input_arg)."""
+    kw.setdefault("type", model_arg if flags[0] in MODEL_FLAGS else input_arg)
     action = container.add_argument(*flags, **kw)
     action.s2d_input = paths
     return action
@@ -143,9 +156,10 @@ def add_output(container, *flags, kind: str = "file", overwrite: str | None = No
 
 
 def comma_paths(text: str) -> tuple[str, ...]:
-    """'a.json,b.txt' -> the paths of a comma-separated file-list flag (empty items dropped);
-    also add_input's `paths` of such a flag."""
-    return tuple(expand_path(p) for p in text.split(",") if p)
+    """'a.json,b.txt' -> the paths of a comma-separated input file-list flag (empty items
+    dropped, shipped files found from any directory: input_arg); also add_input's `paths`
+    of such a flag."""
+    return tuple(input_arg(p) for p in text.split(",") if p)
 
 
 def target_paths(specs) -> list[str]:
@@ -182,6 +196,14 @@ def model_arg(text: str) -> str:
     (`smollm2`, `smollm2-draft`) found from any directory."""
     from s2d_jax.env import resolve_model
     return resolve_model(text)
+
+
+def input_arg(text: str) -> str:
+    """argparse `type` of input path flags: path_arg, and a relative path that does not
+    exist here but names a file the project ships (data/..., configs/...) is that file
+    (s2d_jax.env.resolve_input), so the defaults work from any directory."""
+    from s2d_jax.env import resolve_input
+    return resolve_input(text)
 
 
 def path_arg(text: str) -> str:
@@ -237,11 +259,6 @@ def parse_targets(specs: list[str], flag: str = "--target") -> dict[str, str]:
             raise S2DError(f"target name {name!r} given twice; name them NAME=PATH")
         targets[name] = model_arg(path)
     return targets
-
-
-def add_fake_devices_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--fake-devices", type=int, default=0,
-                        help="fake N CPU devices (sets XLA_FLAGS before JAX starts)")
 
 
 def fake_cpu_devices(n: int) -> None:

@@ -71,9 +71,15 @@ def main(argv=None) -> int:
         print(f"error: unknown subcommand {name!r}; one of {', '.join(SUBCOMMANDS)} (s2d "
               f"--help lists them)", file=sys.stderr)
         return 2
-    module = entry_module(SUBCOMMANDS[name][0])
+    from s2d_jax.cli.args import INVOKED_AS
+    entry = SUBCOMMANDS[name][0]
+    module = entry_module(entry)
     sys.argv = [f"s2d {name}", *rest]
-    result = module.main(rest)
+    INVOKED_AS[entry] = f"s2d {name}"  # its parser's usage line and errors say `s2d NAME`
+    try:
+        result = module.main(rest)
+    finally:
+        INVOKED_AS.pop(entry, None)
     return result if isinstance(result, int) else 0
 
 

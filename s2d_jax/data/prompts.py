@@ -6,7 +6,7 @@ Templates (`--chat-template`):
     transformers' `apply_chat_template(..., add_generation_prompt=True)`; the text is then
     tokenized with special-token strings as their ids and nothing added (the template
     already holds BOS where the model wants it, as transformers' own tokenize=True does).
-    Without a template, each CLI falls back to its previous default (`resolve_template`).
+    Without a template: none (AUTO_FALLBACK, `resolve_template`), in every CLI and the API.
   - vicuna: Vicuna v1.1 with sentencepiece-exact ids (s2d_jax.data.chat).
   - none: the user text as is after BOS; later turns are joined with blank lines.
 """

@@ -29,8 +29,8 @@ def train_step_report(config_path: str, target: str | None = None,
     tc = load_train_config(config_path, list(overrides))
     target = target or tc.model.path
     if not os.path.exists(target):
-        raise S2DError(f"target config {target} does not exist; pass --target with a model YAML "
-                       f"(configs/models/*.yaml) or an HF dir")
+        raise S2DError(f"target config {target} does not exist; pass --target-config with a "
+                       f"model YAML (configs/models/*.yaml) or an HF dir")
     full = load_model_config(target)
     if target.endswith((".yaml", ".yml")) and not tc.draft.exits:
         cfg, exits = _with_dtypes(full, tc), (full.num_layers,)
