@@ -19,40 +19,27 @@ import json
 import os
 import sys
 
-from s2d_jax.cli.args import ArgumentParser, add_input, add_output, parse_ints
+from s2d_jax.cli.args import ArgumentParser, parse_ints
+from s2d_jax.cli.flags import add
 from s2d_jax.decode.defaults import METHODS, needs_draft
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import DIR
 
 
+CMD = "serve-bench"  # its s2d subcommand: the name its shared flags are defined for
+
+
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.serve_bench", description=__doc__)
-    add_input(ap, "--target", required=True, help="target model: HF dir, params checkpoint "
-              "or .gguf")
-    add_input(ap, "--draft", default=None, help="draft model (needed by sd, s2d and ladder)")
-    ap.add_argument("--methods", default="ar,s2d", help="comma-separated methods, served in "
-                    f"turn ({', '.join(METHODS)})")
-    ap.add_argument("--exit", type=int, default=None, help="draft depth for sd / self")
-    ap.add_argument("--gamma", type=int, default=None,
-                    help="draft tokens per round (default: calibrated, else 4)")
-    add_input(ap, "--questions", default="data/spec_bench_question.jsonl",
-              metavar="FILE.jsonl", help="Spec-Bench questions (their first turns)")
-    ap.add_argument("--max-prompts", type=int, default=48, help="questions used, taken "
-                    "round-robin over the tasks")
-    ap.add_argument("--chat-template", default="auto", choices=("auto", "vicuna", "none"),
-                    help="how a question becomes a prompt (as the server renders a chat)")
+    add(ap, "--target", CMD, required=True)
+    for name in ("--draft", "--methods", "--exit", "--gamma", "--questions", "--max-prompts",
+                 "--chat-template", "--max-new-tokens", "--slots", "--slot-len",
+                 "--chunk-rounds", "--dtype"):
+        add(ap, name, CMD)
     ap.add_argument("--clients", default="1,4,16", help="concurrent client counts, e.g. 1,4,16")
     ap.add_argument("--requests-per-client", type=int, default=4,
                     help="requests each client sends, one at a time")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="max_tokens of a request")
-    ap.add_argument("--slots", type=int, default=16, help="the server's decode slots")
-    ap.add_argument("--max-len", type=int, default=None, help="the server's tokens per slot "
-                    "(default: the models' context)")
-    ap.add_argument("--chunk-rounds", type=int, default=4, help="the server's rounds per chunk")
-    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                    help="compute and weight dtype (default: as stored)")
-    add_output(ap, "--out", kind=DIR, default="runs/serve_bench", metavar="DIR",
-               help="where the table, JSON and plot go")
+    add(ap, "--out", CMD, kind=DIR, required=True)
     return ap.parse_args(argv)
 
 
@@ -68,7 +55,7 @@ def check_args(args) -> tuple[list[str], list[int]]:
     clients = parse_ints(args.clients, "--clients", 1)
     for flag in ("max_prompts", "requests_per_client", "max_new_tokens", "slots",
                  "chunk_rounds"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise S2DError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return methods, clients
 
@@ -99,7 +86,7 @@ def main(argv=None):
         return build_server(args.target, args.draft if needs_draft(method) else None,
                             method=method, exit=args.exit, gamma=args.gamma,
                             dtype=args.dtype, chat_template="none", slots=args.slots,
-                            max_len=args.max_len, chunk_rounds=args.chunk_rounds,
+                            max_len=args.slot_len, chunk_rounds=args.chunk_rounds,
                             max_queue=max(clients) * 2, port=0,
                             progress=lambda line: print(line, file=sys.stderr)).start()
 

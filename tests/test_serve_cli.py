@@ -22,7 +22,7 @@ TARGET = os.path.join(DEMO, "target-s")
     (["--target", TARGET, "--method", "self"], "needs --exit"),
     (["--target", TARGET, "--method", "ar", "--slots", "0"], "--slots must be >= 1"),
     (["--target", TARGET, "--method", "ar", "--port", "70000"], "--port must be <= 65535"),
-    (["--target", TARGET, "--method", "ar", "--max-len", "1"], "--max-len must be >= 2"),
+    (["--target", TARGET, "--method", "ar", "--slot-len", "1"], "--slot-len must be >= 2"),
     (["--target", TARGET, "--method", "nope"], "invalid choice"),
 ])
 def test_serve_refuses_bad_flags(capsys, argv, expect):
@@ -36,8 +36,10 @@ def test_serve_refuses_bad_flags(capsys, argv, expect):
     (["--target", TARGET, "--methods", "ar", "--requests-per-client", "0"], ">= 1"),
     (["--target", TARGET, "--methods", "ar", "--out", TARGET], "--out"),
 ])
-def test_serve_bench_refuses_bad_flags(capsys, argv, expect):
-    assert expect in cli_error(serve_bench.main, capsys, argv)
+def test_serve_bench_refuses_bad_flags(capsys, tmp_path, argv, expect):
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "bench")]
+    assert expect in cli_error(serve_bench.main, capsys, argv + out)
+    assert not (tmp_path / "bench").exists()
 
 
 def test_load_table_compares_each_method_with_ar_at_equal_clients():
@@ -58,7 +60,7 @@ def test_serve_bench_smoke_run_on_the_demo_family(tmp_path, capsys):
     serve_bench.main(["--target", TARGET, "--draft", os.path.join(DEMO, "draft"),
                       "--methods", "ar,s2d", "--clients", "1,2", "--requests-per-client", "1",
                       "--max-new-tokens", "8", "--max-prompts", "4", "--slots", "2",
-                      "--max-len", "128", "--chat-template", "none", "--out", str(out)])
+                      "--slot-len", "128", "--chat-template", "none", "--out", str(out)])
     loads = json.loads((out / "serve_bench.json").read_text())["loads"]
     assert [(r["method"], r["clients"], r["requests"]) for r in loads] == [
         ("ar", 1, 1), ("ar", 2, 2), ("s2d", 1, 1), ("s2d", 2, 2)]
