@@ -56,3 +56,22 @@ def test_bad_settings_are_refused_before_loading():
 def test_the_api_serve_stays_the_function_once_the_server_package_loads():
     import s2d_jax.server.app  # noqa: F401  (a package named like the function would shadow it)
     assert callable(s2d_jax.serve) and s2d_jax.serve.__module__ == "s2d_jax"
+
+
+def test_slot_decoder_answers_equal_the_batch_decoded_as_one():
+    """The data engine's answers stage on the slot engine (--slots): greedy rows equal."""
+    from s2d_jax.data.distill import answer_rows
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.server.batch import SlotDecoder
+
+    cfg, params, _ = load_model(KW["target"])
+    tok = load_tokenizer(KW["target"])
+    decoder = Decoder(cfg, params, method="ar")
+    prompts = PROMPTS + ["KING HENRY:", "Hark"]
+    kw = dict(temperature=0.0, seed=0, max_new_tokens=20)
+    whole = answer_rows(decoder, tok, prompts, **kw)
+    slots = answer_rows(SlotDecoder(decoder, tok, slots=2, max_len=64), tok, prompts, **kw)
+    assert [r["input_ids"] for r in slots] == [r["input_ids"] for r in whole]
+    assert all(len(r["input_ids"]) > r["learn_from"] for r in slots)

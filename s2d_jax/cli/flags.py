@@ -310,10 +310,16 @@ FLAGS: dict[str, Flag] = {
         help="held-out questions (Spec-Bench format): kept out of training, scored"),
     "--heldout-prompts": _flag(type=int, default=40, help="held-out prompts scored"),
     # --- the server (serve; serve-bench serves each method the same way) ----------------
-    "--slots": _flag(type=int, default=8, help="requests decoded together (decode slots)",
-                     variants={"serve-bench": variant(
-                         "its loads go up to 16 concurrent clients, each kept in a slot",
-                         default=16)}),
+    "--slots": _flag(
+        type=int, default=8, help="requests decoded together (decode slots)",
+        variants={"serve-bench": variant("its loads go up to 16 concurrent clients, each "
+                                         "kept in a slot", default=16),
+                  "data-engine": variant("its answers stage decodes each batch as one "
+                                         "unless given slots", default=0,
+                                         help="answer each batch on the slot engine with "
+                                              "this many slots, a finished answer's slot "
+                                              "going to the next prompt (0 = the batch "
+                                              "decoded as one)")}),
     "--slot-len": _flag(type=int, default=None, metavar="TOKENS",
                         help="tokens per slot, prompt + answer (default: the models' context)"),
     "--chunk-rounds": _flag(type=int, default=4,
