@@ -33,10 +33,13 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def _make_uvicorn(self, log_level: str):
+    def _make_uvicorn(self, log_level: str, own_logging: bool = True):
+        """own_logging False: leave the process's logging as it is (uvicorn's dictConfig
+        would replace its handlers: a server on a thread lives beside other code)."""
         import uvicorn
+        kw = {} if own_logging else {"log_config": None}
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level=log_level,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **kw)
         self._uvicorn = uvicorn.Server(config)
         return self._uvicorn
 
@@ -51,7 +54,7 @@ class Server:
     def start(self, log_level: str = "warning", timeout: float = 60.0) -> "Server":
         """Serve on a background thread; returns once it accepts connections (port 0:
         a free port, then in self.port)."""
-        server = self._make_uvicorn(log_level)
+        server = self._make_uvicorn(log_level, own_logging=False)
         self.worker.start()
         self._thread = threading.Thread(target=server.run, name="s2d-http", daemon=True)
         self._thread.start()
