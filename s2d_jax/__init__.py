@@ -36,7 +36,7 @@ _LAZY = {
     "load_train_config": ("s2d_jax.train.config", "load_train_config"),
 }
 
-__all__ = sorted([*_LAZY, "generate", "train_soft"])
+__all__ = sorted([*_LAZY, "generate", "serve", "train_soft"])
 
 
 def __getattr__(name: str):
@@ -56,7 +56,7 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
              chat_template: str = "auto", max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, gamma: int | None = None,
              thresholds=None, exit: int | None = None, exits=None,
-             dtype: str | None = None) -> dict:
+             dtype: str | None = None, stop=None, stream: bool = False):
     """Answer a prompt -> {"text", "token_ids", "prompt_ids", "reply", "stats", "summary"}.
 
     prompt: a string (one user turn) or chat messages ([{"role": "user", "content": ...},
@@ -68,20 +68,43 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     `exit`), "self" (the target's first `exit` layers), "lookup" (tokens copied from the
     context, no draft), "ladder" (the lookup, then the draft's exits) or "ar"; s2d's gamma and thresholds
     default to the target's calibrated `s2d_serving.json` (s2d_jax.decode.chat.load_decoder).
-    "summary" is the statistics as one readable line. Loads and compiles on every call:
-    keep a `Chat` for a conversation or repeated use.
+    "summary" is the statistics as one readable line; "finish_reason" is "stop" (an EOS or
+    a stop string) or "length" (max_new_tokens). Loads and compiles on every call: keep a
+    `Chat` for a conversation or repeated use.
+
+    A list of prompts (strings or message lists) -> one result each, decoded together on
+    the slot engine (s2d_jax/server/). stop: a string or up to 4, each ending the answer
+    (left out of it). stream=True -> an iterator of {"index": i, "text": piece} as answer
+    i grows and {"index": i, "result": dict} when it ends. These three run on the slot
+    engine (no top_k there); a greedy answer is the same either way.
     """
     from s2d_jax.decode.chat import Chat
     from s2d_jax.errors import S2DError
 
+    from s2d_jax.server.batch import generate_batch, is_prompt_list
+
     if not isinstance(prompt, (str, list, tuple)):
-        raise S2DError(f"prompt must be a string or a list of chat messages, got "
-                       f"{type(prompt).__name__}")
+        raise S2DError(f"prompt must be a string, a list of chat messages or a list of "
+                       f"prompts, got {type(prompt).__name__}")
+    many = is_prompt_list(prompt)
+    if many or stop is not None or stream:
+        if top_k:
+            raise S2DError("top_k is not available with a list of prompts, stop or stream "
+                           "(the slot engine samples with temperature and top_p); use 0")
+        out = generate_batch(list(prompt) if many else [prompt], target, draft,
+                             method=method, chat_template=chat_template,
+                             max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_p=top_p, seed=seed, stop=stop or (), stream=stream,
+                             gamma=gamma, thresholds=thresholds, exit=exit, exits=exits,
+                             dtype=dtype)
+        return out if many or stream else out[0]
     chat = Chat(target, draft, method=method, chat_template=chat_template, gamma=gamma,
                 thresholds=thresholds, exit=exit, exits=exits, dtype=dtype,
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                 top_p=top_p, seed=seed)
-    return chat.answer(prompt)
+    out = chat.answer(prompt)
+    ended = bool(out["token_ids"]) and out["token_ids"][-1] == chat.eos_id
+    return {**out, "finish_reason": "stop" if ended else "length"}
 
 
 def train_soft(config, overrides=(), *, devices=None, progress: bool = False) -> dict:
@@ -112,3 +135,21 @@ def train_soft(config, overrides=(), *, devices=None, progress: bool = False) ->
     else:
         tc = load_train_config(config, overrides)
     return train(tc, devices=devices, progress=progress)
+
+
+def serve(target: str, draft: str | None = None, *, method: str = "s2d",
+          host: str = "127.0.0.1", port: int = 8000, block: bool = True, **settings):
+    """Serve `target` (with `draft`) over HTTP, OpenAI-compatible, as `python -m infer.serve`:
+    /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over
+    `slots` decode slots (s2d_jax/server/). settings: name, gamma, thresholds, exit, exits,
+    dtype, chat_template, slots, max_len, chunk_rounds, max_queue, default_max_tokens,
+    seed. block=False returns the started Server (its .url; .stop() ends it)."""
+    from s2d_jax import validate
+    from s2d_jax.server.launch import build_server
+
+    validate.switch(block, "block")
+    server = build_server(target, draft, method=method, host=host, port=port, **settings)
+    if not block:
+        return server.start()
+    server.run()
+    return server

@@ -1,6 +1,6 @@
 """Imports in s2d_jax/ only point down the package ranks (the layout in README.md):
 
-    errors, config, readers, validate, env < parallel < model < io < data < decode < train < bench < calibration < cli < s2d_jax/__init__.py
+    errors, config, readers, validate, env < parallel < model < io < data < decode < train, server < bench < calibration < cli < s2d_jax/__init__.py
 
 Every import statement counts, including those inside functions (a lazy import is still a
 dependency). s2d_jax never imports the entry points (`infer`, top-level `train`) or
@@ -22,7 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "s2d_jax"
 RANKS = {"errors": 0, "config": 0, "readers": 0, "validate": 0, "env": 0, "parallel": 1, "model": 2, "io": 3, "data": 4,
-         "decode": 5, "train": 6, "bench": 7,
+         "decode": 5, "train": 6, "server": 6, "bench": 7,
          "calibration": 8, "cli": 9}
 TOP = max(RANKS.values()) + 1  # s2d_jax/__init__.py: the public API imports any package
 FORBIDDEN = ("infer", "train", "examples")  # top-level entry points and the demo pipeline
@@ -133,8 +133,8 @@ def test_checker_names_each_violation(tmp_path, rel, text, expect):
 
 
 def test_checker_rejects_an_unranked_package(tmp_path):
-    root = _tree(tmp_path, {**CLEAN, "s2d_jax/serve/api.py": ""})
-    assert [p for p in layering_violations(root) if "serve has no rank" in p]
+    root = _tree(tmp_path, {**CLEAN, "s2d_jax/unranked/api.py": ""})
+    assert [p for p in layering_violations(root) if "unranked has no rank" in p]
 
 
 def test_real_tree_is_the_one_checked():

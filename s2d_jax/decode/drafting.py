@@ -87,8 +87,10 @@ def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: j
 def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndarray,
                    positions: jnp.ndarray, key: jax.Array, sp: SamplingParams,
                    thresholds: jnp.ndarray, exits: tuple[int, ...],
-                   conf_kind: str = "max_prob", kv_fill: str = "calm"):
-    """`draft_token` that only reads the cache: it returns the new keys/values of layers
+                   conf_kind: str = "max_prob", kv_fill: str = "calm", rows=None):
+    """`draft_token` that only reads the cache (`rows` [B]: the rows whose token is used;
+    the others never send the batch deeper: a finished row, a free slot of the slot
+    engine): it returns the new keys/values of layers
     [0, exits[-1]) instead, (k, v [exits[-1], B, T, K, H], positions [exits[-1], B, T]),
     and the cache to write them into (`write_layers(cache, 0, ...)`: the same buffers,
     ordered after every read, `kvcache.ordered_after`). Why: every `lax.cond` here (and the caller's) then
@@ -105,6 +107,8 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
     exit_idx = jnp.zeros((B,), jnp.int32)
     # threshold 1 means "never stop here", even if the confidence rounds to exactly 1.
     decided = (conf >= thresholds[0]) & (thresholds[0] < 1.0) if m > 1 else jnp.ones((B,), bool)
+    if rows is not None:
+        decided = decided | ~rows
 
     for i in range(1, m):  # static, small: one graph node per exit
         lo, hi, seg = exits[i - 1], exits[i], _segment(params, exits, i)
@@ -180,7 +184,7 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
                                          cache.lengths))
     step = functools.partial(draft_token_kv, params, cfg, sp=dp.sampling,
                              thresholds=dp.thresholds, exits=spec.exits,
-                             conf_kind=spec.confidence, kv_fill=spec.kv_fill)
+                             conf_kind=spec.confidence, kv_fill=spec.kv_fill, rows=rows)
     # The first step feeds the last n tokens (the catch-up window, round.py). Positions
     # are clamped to the buffer: only finished rows can reach past it, and a larger
     # position would change dynamic-NTK rope (batch max position) for every row.

@@ -25,15 +25,21 @@ CONFIDENCE_KINDS = ("max_prob", "entropy")
 class SamplingParams:
     """Traced sampling settings, applied identically to draft and target."""
 
-    temperature: jnp.ndarray  # f32 scalar; <= 0 means greedy
+    temperature: jnp.ndarray  # f32 scalar or [B] (per row); <= 0 means greedy
     top_k: jnp.ndarray  # i32 scalar; <= 0 means off
-    top_p: jnp.ndarray  # f32 scalar; >= 1 means off
+    top_p: jnp.ndarray  # f32 scalar or [B] (per row); >= 1 means off
     greedy: bool = struct.field(pytree_node=False, default=False)  # static: temperature <= 0
 
     @classmethod
     def make(cls, temperature=0.0, top_k=0, top_p=1.0) -> "SamplingParams":
         return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
                    greedy=float(temperature) <= 0.0)
+
+
+def per_row(x: jnp.ndarray, like: jnp.ndarray) -> jnp.ndarray:
+    """A setting broadcast against logits `like` [B, ..., V]: a scalar as it is, a per-row
+    [B] array (the slot engine's: one temperature / top-p per slot) over the other axes."""
+    return x if jnp.ndim(x) == 0 else jnp.reshape(x, jnp.shape(x) + (1,) * (like.ndim - 1))
 
 
 def filter_top_k(logits: jnp.ndarray, top_k: jnp.ndarray) -> jnp.ndarray:
@@ -59,12 +65,13 @@ def filter_top_p(logits: jnp.ndarray, top_p: jnp.ndarray) -> jnp.ndarray:
 
 def _scaled_filtered_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
     # Greedy still needs a proper distribution for confidence: use temperature 1 then.
-    t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
+    t = per_row(jnp.where(sp.temperature > 0, sp.temperature, 1.0), logits)
     z = logits.astype(jnp.float32) / t
     # Each filter sorts the vocabulary: skip it at run time when it is off (the usual
     # case); on CPU the two sorts cost more than a small model's forward.
     z = jax.lax.cond(sp.top_k > 0, filter_top_k, lambda x, _: x, z, sp.top_k)
-    return jax.lax.cond(sp.top_p < 1.0, filter_top_p, lambda x, _: x, z, sp.top_p)
+    return jax.lax.cond(jnp.any(sp.top_p < 1.0), filter_top_p, lambda x, _: x, z,
+                        per_row(sp.top_p, logits))
 
 
 def probs_from_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
@@ -74,7 +81,7 @@ def probs_from_logits(logits: jnp.ndarray, sp: SamplingParams) -> jnp.ndarray:
     if sp.greedy:
         return onehot
     probs = jax.nn.softmax(_scaled_filtered_logits(logits, sp), axis=-1)
-    return jnp.where(sp.temperature > 0, probs, onehot)
+    return jnp.where(per_row(sp.temperature > 0, logits), probs, onehot)
 
 
 def confidence(logits: jnp.ndarray, sp: SamplingParams, kind: str = "max_prob") -> jnp.ndarray:

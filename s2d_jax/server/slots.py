@@ -1,0 +1,334 @@
+"""The slot engine: continuous batching over a fixed number of decode slots, on the
+engine's own jitted programs (decode/engine.py), for every method (ar, sd, self, s2d,
+lookup, ladder, polybasic chains).
+
+    engine = SlotEngine(decoder, tokenizer, slots=4, max_len=512)
+    engine.warm()                        # compiles every program the requests will need
+    job = engine.submit(Request(ids, max_new_tokens=64), sink=print)
+    while engine.busy(): engine.step()   # or server.worker.Worker: a thread owning the device
+    job.result                           # Result: token_ids, text, finish_reason, stats
+
+One batch state of `slots` rows lives on the device. A request is prefilled alone
+(engine.prefill at batch 1, its prompt padded to a width bucket) and written into a free
+slot (programs.insert); `step()` then runs one chunk of `chunk_rounds` rounds for every
+busy slot (engine.decode_chunk: rows of different lengths, ragged acceptance, each at its
+own positions), reads back the tokens and hands each request its new text. A request that
+ended (EOS, its budget, a stop string) or was cancelled frees its slot between chunks
+(programs.release) and a waiting one takes it. A row's computation never reads another
+row (attention, the cache and the accept rule are per row; the CPU kernels compute a row
+the same whatever the row count), so a greedy answer is the one the prompt gets alone.
+
+Per slot: max_new_tokens, temperature and top_p are traced [slots] arrays (a setting never
+recompiles). Compiled programs, all made by `warm()`: prefill once per prompt-width
+bucket (`buckets`: powers of two from 16 up to max_len), insert, release, and the chunk
+twice (the greedy program, which skips the softmaxes, whenever every busy slot is greedy;
+the sampling one otherwise). Prefill always runs the sampling program: at temperature 0
+it draws the argmax, so one program serves both.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s2d_jax.decode import engine
+from s2d_jax.decode.defaults import PROMPT_BUCKET, round_up
+from s2d_jax.decode.sampling import SamplingParams
+from s2d_jax.decode.state import DecodeParams
+from s2d_jax.errors import S2DError
+from s2d_jax.server import programs
+from s2d_jax.server.request import Request, Result, speculation_stats
+from s2d_jax.server.text import AnswerText
+from s2d_jax import validate
+
+
+def width_buckets(max_len: int) -> tuple[int, ...]:
+    """Padded prompt widths: powers of two from PROMPT_BUCKET, the last one max_len (a
+    prompt needs a slot for at least one new token: it is shorter than max_len)."""
+    widths, w = [], PROMPT_BUCKET
+    while w < max_len:
+        widths.append(w)
+        w *= 2
+    return tuple(widths) + (max_len,)
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A submitted request while it waits, decodes and after it ends. `sink(event)` (from
+    the engine's thread) gets {"type": "text", "text": piece} as the answer grows and
+    {"type": "done", "result": Result} once; `cancel()` (any thread) frees its slot at the
+    next chunk boundary."""
+
+    request: Request
+    sink: Callable[[dict], None] | None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    slot: int | None = None
+    text: AnswerText | None = None
+    result: Result | None = None
+    first_token_at: float | None = None
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, event: dict) -> None:
+        if self.sink is not None:
+            self.sink(event)
+
+
+class SlotEngine:
+    """Continuous batching over `slots` decode slots of `max_len` tokens each (prompt +
+    answer) for one Decoder; see the module docstring. Not thread-safe except `submit`,
+    `pending` and Job.cancel: one thread (server.worker.Worker) calls step()."""
+
+    def __init__(self, decoder, tokenizer, *, slots: int = 4, max_len: int | None = None,
+                 chunk_rounds: int = 4, eos_id: int | None = None, seed: int = 0):
+        from s2d_jax.decode.defaults import eos_id_or_default
+        validate.integer(slots, "slots", 1)
+        validate.integer(chunk_rounds, "chunk_rounds", 1)
+        validate.integer(max_len, "max_len", 2, optional=True)
+        context = decoder.context
+        max_len = context if max_len is None else max_len
+        if max_len > context:
+            raise S2DError(f"max_len {max_len} is past the models' context of {context} "
+                           f"positions; pass max_len <= {context}")
+        self.decoder, self.tok = decoder, tokenizer
+        self.slots, self.max_len, self.chunk_rounds = slots, max_len, chunk_rounds
+        self.chain = decoder.chain.with_max_len(max_len)
+        self.spec = self.chain.spec
+        self.buckets = width_buckets(max_len)
+        self.eos_id = eos_id_or_default(eos_id, decoder.target_cfg)
+        self.draft_params = engine.split_draft(decoder.draft_params, chain=self.chain) \
+            if decoder.draft_params is not None else None
+        self.inbox: queue.Queue[Job] = queue.Queue()
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.jobs: list[Job | None] = [None] * slots
+        self._empty_args = self._prefill_args(
+            np.ones((slots, PROMPT_BUCKET), np.int32), np.ones(slots, np.int32),
+            self._request_dp(Request((1,))), seed)
+        self.state = self._empty
+
+    @property
+    def _empty(self):
+        return programs.empty_state(self._empty_args, chain=self.chain)
+
+    # --- what the programs take -------------------------------------------------------
+
+    def _request_dp(self, r: Request) -> DecodeParams:
+        """A request's settings for its prefill (scalars; the sampling program always)."""
+        dp = self.decoder.decode_params(self.spec, temperature=r.temperature, top_p=r.top_p,
+                                        max_new_tokens=r.max_new_tokens, eos_id=self.eos_id,
+                                        stop_threshold=self.decoder.stop_threshold)
+        return dp.replace(sampling=dataclasses.replace(dp.sampling, greedy=False))
+
+    def _batch_dp(self) -> DecodeParams:
+        """The chunk's settings: each slot's budget, temperature and top-p ([slots]
+        arrays); free slots are done, their values unused."""
+        jobs = [(j.request if j is not None else None) for j in self.jobs]
+        new = np.array([r.max_new_tokens if r else 1 for r in jobs], np.int32)
+        temp = np.array([r.temperature if r else 0.0 for r in jobs], np.float32)
+        top_p = np.array([r.top_p if r else 1.0 for r in jobs], np.float32)
+        greedy = all(r is None or r.greedy for r in jobs)
+        sp = SamplingParams(jax.device_put(temp), jnp.int32(0), jax.device_put(top_p),
+                            greedy=greedy)
+        thresholds = np.asarray(self.decoder.thresholds, np.float32).reshape(self.spec.num_exits)
+        return DecodeParams(sp, jax.device_put(thresholds), jax.device_put(new),
+                            jnp.int32(self.eos_id), jnp.float32(self.decoder.stop_threshold))
+
+    def _prefill_args(self, arr, lens, dp, seed) -> tuple:
+        d = self.decoder
+        return (self.draft_params, d.target_params, jax.device_put(arr), jax.device_put(lens),
+                dp, jax.random.key(seed), d.mid_params)
+
+    def _loop_args(self, dp) -> tuple:
+        d = self.decoder
+        return (self.draft_params, d.target_params, dp, jnp.int32(self.chunk_rounds),
+                d.mid_params)
+
+    # --- requests ---------------------------------------------------------------------
+
+    def check(self, r: Request) -> None:
+        """Refuse a request the slots cannot hold (one line naming the fix)."""
+        n, V = len(r.prompt_ids), self.decoder.target_cfg.vocab_size
+        if max(r.prompt_ids) >= V:
+            raise S2DError(f"the prompt has token ids outside [0, {V}); wrong tokenizer?")
+        if n >= self.max_len:
+            raise S2DError(f"the prompt has {n} tokens; this server holds {self.max_len} "
+                           f"tokens per request (prompt + answer): shorten the prompt")
+        if n + r.max_new_tokens > self.max_len:
+            raise S2DError(f"max_tokens {r.max_new_tokens} after a prompt of {n} tokens is "
+                           f"past the {self.max_len} tokens per request; ask for at most "
+                           f"{self.max_len - n}")
+
+    def submit(self, request: Request, sink: Callable[[dict], None] | None = None) -> Job:
+        """Queue a request (any thread) -> its Job."""
+        if not isinstance(request, Request):
+            raise S2DError(f"submit takes a Request, got {type(request).__name__}")
+        self.check(request)
+        job = Job(request, sink)
+        self.inbox.put(job)
+        return job
+
+    def pending(self) -> int:
+        """Requests submitted and not yet in a slot."""
+        return self.inbox.qsize() + len(self.waiting)
+
+    def active(self) -> int:
+        return sum(j is not None for j in self.jobs)
+
+    def busy(self) -> bool:
+        return self.active() > 0 or self.pending() > 0
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Admit waiting requests into free slots, run one chunk, hand out the text, free
+        the slots of requests that ended (one call: one chunk)."""
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        self._drop_cancelled()
+        self._admit()
+        if not self.active():
+            return
+        self.state = engine.decode_chunk(self.state, *self._loop_args(self._batch_dp()),
+                                         chain=self.chain)
+        self._collect()
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self.waiting if j.cancelled.is_set()]:
+            self.waiting.remove(job)
+            self._finish(job, [], "cancelled", (0, 0, 0))
+        free = np.zeros(self.slots, bool)
+        for b, job in enumerate(self.jobs):
+            if job is not None and job.cancelled.is_set():
+                free[b] = True
+                self._finish_slot(b, "cancelled")
+        if free.any():
+            self.state = programs.release(self.state, jax.device_put(free), chain=self.chain)
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.jobs:
+            job = self.waiting.popleft()
+            one = self._prefill(job.request)
+            tokens, length, prompt_len, done = jax.device_get(
+                (one.tokens, one.length, one.prompt_len, one.done))
+            job.first_token_at = time.perf_counter()
+            job.text = AnswerText(self.tok, job.request.stop)
+            if self._advance(job, tokens[0, prompt_len[0]:length[0]], bool(done[0])):
+                continue  # ended with its first token: no slot needed
+            b = self.jobs.index(None)
+            self.state = programs.insert(self.state, one, jnp.int32(b), chain=self.chain)
+            self.jobs[b], job.slot = job, b
+
+    def _prefill(self, r: Request):
+        n = len(r.prompt_ids)
+        width = next(w for w in self.buckets if w >= n)
+        arr = np.zeros((1, width), np.int32)
+        arr[0, :n] = r.prompt_ids
+        args = self._prefill_args(arr, np.array([n], np.int32), self._request_dp(r), r.seed)
+        return engine.prefill(*args, chain=self.chain)
+
+    def _collect(self) -> None:
+        s = self.state
+        tokens, length, prompt_len, done, stats = jax.device_get(
+            (s.tokens, s.length, s.prompt_len, s.done, s.stats))
+        free = np.zeros(self.slots, bool)
+        for b, job in enumerate(self.jobs):
+            if job is None:
+                continue
+            counts = (int(stats.rounds[b]), int(np.sum(stats.proposed_at[b])),
+                      int(np.sum(stats.accepted_at[b])))
+            if self._advance(job, tokens[b, prompt_len[b]:length[b]], bool(done[b]), counts):
+                free[b] = not done[b]  # stopped by a stop string: the row still runs
+                self.jobs[b] = None
+        if free.any():
+            self.state = programs.release(self.state, jax.device_put(free), chain=self.chain)
+
+    def _advance(self, job: Job, ids, done: bool, counts=(0, 0, 0)) -> bool:
+        """The job's answer is now `ids` (done: its row stopped) -> it ended."""
+        ids = [int(i) for i in ids]
+        delta, stopped = job.text.update(ids, final=done)
+        if delta:
+            job.emit({"type": "text", "text": delta})
+        if stopped:
+            self._finish(job, ids[:job.text.stop_at_token], "stop", counts)
+        elif done:
+            hit_eos = bool(ids) and ids[-1] == self.eos_id
+            self._finish(job, ids, "stop" if hit_eos else "length", counts)
+        return stopped or done
+
+    def _finish_slot(self, b: int, reason: str) -> None:
+        job = self.jobs[b]
+        s = self.state
+        tokens, length, prompt_len, stats = jax.device_get(
+            (s.tokens, s.length, s.prompt_len, s.stats))
+        self.jobs[b] = None
+        self._finish(job, tokens[b, prompt_len[b]:length[b]].tolist(), reason,
+                     (int(stats.rounds[b]), int(np.sum(stats.proposed_at[b])),
+                      int(np.sum(stats.accepted_at[b]))))
+
+    def _finish(self, job: Job, ids: list[int], reason: str, counts) -> None:
+        rounds, drafted, accepted = counts
+        text = job.text.text if job.text is not None else ""
+        job.result = Result(list(ids), text, reason,
+                            speculation_stats(len(ids), rounds, drafted, accepted),
+                            len(job.request.prompt_ids))
+        job.finished.set()
+        job.emit({"type": "done", "result": job.result})
+
+    def fail_all(self, message: str) -> int:
+        """After a failed chunk (its donated state is gone): every job in a slot gets
+        {"type": "error", "message"} and the slots start empty -> how many failed. Waiting
+        jobs stay queued."""
+        failed = [j for j in self.jobs if j is not None]
+        for job in failed:
+            job.result = Result([], "", "error", {}, len(job.request.prompt_ids))
+            job.finished.set()
+            job.emit({"type": "error", "message": message})
+        self.jobs = [None] * self.slots
+        self.state = self._empty
+        return len(failed)
+
+    # --- warm-up and the API's batch --------------------------------------------------
+
+    def warm(self) -> dict:
+        """Compile every program a request can need (module docstring), so no request
+        compiles -> {program: count} of what was compiled."""
+        counts = {"prefill": 0, "insert": 1, "release": 1, "decode_chunk": 2}
+        r = Request((1,), max_new_tokens=1)
+        one = None
+        for width in self.buckets:
+            args = self._prefill_args(np.ones((1, width), np.int32), np.array([1], np.int32),
+                                      self._request_dp(r), 0)
+            one = engine.prefill(*args, chain=self.chain)
+            counts["prefill"] += 1
+        state = programs.insert(self.state, one, jnp.int32(0), chain=self.chain)
+        state = programs.release(state, jax.device_put(np.ones(self.slots, bool)),
+                                 chain=self.chain)
+        dp = self._batch_dp()
+        for greedy in (True, False):
+            dp = dp.replace(sampling=dataclasses.replace(dp.sampling, greedy=greedy))
+            state = engine.decode_chunk(state, *self._loop_args(dp), chain=self.chain)
+        self.state = jax.block_until_ready(state)
+        jax.device_get(self.state.stats)
+        return counts
+
+    def run(self, requests, sinks=None) -> list[Result]:
+        """Decode `requests` to the end on this thread -> one Result each, in order."""
+        sinks = sinks or [None] * len(requests)
+        jobs = [self.submit(r, s) for r, s in zip(requests, sinks)]
+        while not all(j.finished.is_set() for j in jobs):
+            self.step()
+        return [j.result for j in jobs]
