@@ -5,13 +5,21 @@ v6e slices, compiled by the TPU compiler on this machine (libtpu, no TPU):
     python -m infer.tpu_fits --out runs/tpu_fits.md
 
 Prints a markdown table (s2d_jax/decode/tpu_fits.py says what each column is) and writes it
-to --out. ~50 compiles: about half an hour on 2 CPU cores.
+to --out. ~50 compiles: about half an hour on 2 free CPU cores. Every finished row is kept
+in --state (rows.json and the row's compiled HLO), and a rerun compiles only the rows not
+there yet: an interrupted grid resumes, and the table is re-rendered from what is kept.
 """
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import ArgumentParser, add_output, parse_ints
+import gzip
+import json
+import os
+import re
+
+from s2d_jax.cli.args import ArgumentParser, add_output, parse_floats, parse_ints
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import CACHE
 
 TARGETS = {"vicuna-7b": "configs/models/vicuna-7b-v1.5.yaml",
            "vicuna-13b": "configs/models/vicuna-13b-v1.5.yaml",
@@ -22,12 +30,18 @@ DRAFT = "configs/models/vicuna-7b-v1.5.yaml"
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.tpu_fits", description=__doc__)
     add_output(p, "--out", required=True, help="markdown file to write the table to")
+    add_output(p, "--state", kind=CACHE, default=None,
+               help="dir keeping finished rows (rows.json, the HLO of each) so a rerun "
+                    "resumes (default: --out's path without .md, plus .rows)")
     p.add_argument("--targets", default=",".join(TARGETS), metavar="NAMES",
                    help="comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--chips", default="v5e,v5p,v6e", help="chip generations")
     p.add_argument("--methods", default="ar,sd,s2d", help="decode methods, comma-separated")
     p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--context", type=int, default=4096, help="context length of every row")
+    p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
+                   help="per-token acceptance rates for Lemma 3.1's columns (default: the "
+                        "SmolLM2 sorted draft's measured 0.25)")
     return p.parse_args(argv)
 
 
@@ -39,6 +53,51 @@ def _pick(text, known, flag):
     return items
 
 
+class RowStore:
+    """Finished rows: `dir/rows.json` (key -> record) and `dir/<key>.hlo.gz`, each written
+    atomically as its row finishes."""
+
+    def __init__(self, path: str):
+        self.dir = path
+        os.makedirs(path, exist_ok=True)
+        self.index = os.path.join(path, "rows.json")
+        self.rows = {}
+        if os.path.exists(self.index):
+            try:
+                with open(self.index) as f:
+                    self.rows = json.load(f)
+            except (OSError, ValueError) as e:
+                raise S2DError(f"--state {path}: cannot read rows.json ({e}); move it away "
+                               f"to start the grid afresh") from None
+
+    def hlo_path(self, key: str) -> str:
+        return os.path.join(self.dir, re.sub(r"[^\w.-]+", "_", key) + ".hlo.gz")
+
+    def add(self, rec: dict, hlo: str | None) -> None:
+        from s2d_jax.io.atomic import write_atomic
+        if hlo is not None:
+            write_atomic(self.hlo_path(rec["key"]), gzip.compress(hlo.encode(), 6))
+        self.rows[rec["key"]] = rec
+        write_atomic(self.index, json.dumps(self.rows, indent=1) + "\n")
+
+    def hlo(self, key: str) -> str | None:
+        path = self.hlo_path(key)
+        if not os.path.exists(path):
+            return None
+        with gzip.open(path, "rt") as f:
+            return f.read()
+
+
+def _with_walk(rec: dict, store: RowStore) -> dict:
+    """The record with its round loop's bytes (hlo_traffic's walk of the kept HLO)."""
+    hlo = store.hlo(rec["key"]) if "refusal" not in rec else None
+    if hlo is None:
+        return rec
+    from s2d_jax.decode.hlo_traffic import round_traffic
+    t = round_traffic(hlo, [tuple(s) for s in rec["cache_shapes"]])
+    return {**rec, "walk": [t.lo, t.hi]}
+
+
 @cli_main
 def main(argv=None):
     args = _parse(argv)
@@ -46,35 +105,47 @@ def main(argv=None):
     chips = _pick(args.chips, ("v5e", "v5p", "v6e"), "--chips")
     methods = _pick(args.methods, ("ar", "sd", "s2d"), "--methods")
     batches = parse_ints(args.batch, "--batch", minimum=1)
+    acceptances = parse_floats(args.acceptance, "--acceptance", nonempty=True)
+    if not all(0 <= a < 1 for a in acceptances):
+        raise S2DError(f"--acceptance {args.acceptance!r}: rates in [0, 1), e.g. 0.25")
+    state = args.state or re.sub(r"\.md$", "", args.out) + ".rows"
     from s2d_jax.io.outputs import Output, check_outputs
-    check_outputs([Output("--out", args.out)], {})
+    check_outputs([Output("--out", args.out), Output("--state", state, CACHE)], {})
+    store = RowStore(state)
     import dataclasses
 
     from s2d_jax.parallel import topology
     topology.prepare()
     from s2d_jax.config import load_model_config
-    from s2d_jax.decode.tpu_fits import SLICES, fits_row, markdown
+    from s2d_jax.decode.tpu_fits import SLICES, compile_record, markdown, row_key
     from s2d_jax.io.atomic import write_atomic
     from s2d_jax.parallel.mesh import MeshConfig
     from s2d_jax.parallel.multihost import build_mesh
     bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
     draft = dataclasses.replace(load_model_config(DRAFT), num_layers=12, **bf16)
-    rows = []
+    keys = []
     for name in targets:
         target = dataclasses.replace(load_model_config(TARGETS[name]), **bf16)
         for chip, topo in SLICES["70b" if "70b" in name else "small"]:
             if chip not in chips:
                 continue
+            slice_keys = [row_key(topo, name, m, b, args.context)
+                          for m in methods for b in batches]
+            keys += slice_keys
+            if all(k in store.rows for k in slice_keys):
+                continue  # every row of this slice is kept: no devices, no compile
             devs = topology.devices(topo)
             mesh = build_mesh(MeshConfig(tensor=len(devs)), {"target": target, "draft": draft},
                               devices=devs)
-            for method in methods:
-                for batch in batches:
-                    row = fits_row(chip, topo, mesh, name, target, draft, method, batch,
-                                   args.context, (6, 9, 12))
-                    rows.append(row)
-                    print(markdown([row])[-1], flush=True)
-    table = markdown(rows)
+            for method, batch in ((m, b) for m in methods for b in batches):
+                if row_key(topo, name, method, batch, args.context) in store.rows:
+                    continue
+                rec, hlo = compile_record(chip, topo, mesh, name, target, draft, method, batch,
+                                          args.context, (6, 9, 12))
+                store.add(rec, hlo)
+                print(f"done {rec['key']}" + (" (refused)" if hlo is None else ""), flush=True)
+    labels = {f"acceptance {a:g}": a for a in acceptances}
+    table = markdown([_with_walk(store.rows[k], store) for k in keys], labels)
     write_atomic(args.out, "\n".join(table) + "\n")
     print("\n".join(table))
     return 0
