@@ -68,6 +68,9 @@ def _parse(argv):
     p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
                    help="per-token acceptance rates in [0, 1) for the speedup bound (default "
                         "0.25: the SmolLM2 sorted draft's measured, docs/results.md)")
+    p.add_argument("--paper-acceptance", type=float, default=None, metavar="A",
+                   help="the S2D paper's per-token acceptance: a second Lemma 3.1 column in "
+                        "the --topology report (none is built in)")
     p.add_argument("--bandwidth", type=finite_number, default=None, metavar="GB/s",
                    help="memory bandwidth of one device (default: the --device-memory "
                         "preset's datasheet figure, s2d_jax/decode/roofline.py)")
@@ -218,6 +221,8 @@ def main(argv=None):
     batches = parse_ints(args.batch, "--batch", minimum=1)
     exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
     args.acceptance = _acceptances(args.acceptance)
+    if args.paper_acceptance is not None:
+        _acceptances(str(args.paper_acceptance))
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
                                     device_memory_bytes, format_report, memory_report)
     from s2d_jax.decode.roofline import device_bandwidth
@@ -251,7 +256,8 @@ def main(argv=None):
             setups = method_setups(target, draft, exits, batch, args.context, args.prompt_len,
                                    args.gamma)
             for line in tpu_round_lines(setups, mesh, (args.method, compiled), bandwidth,
-                                        args.device_memory, args.acceptance):
+                                        args.device_memory, args.acceptance,
+                                        args.paper_acceptance):
                 print(line)
         elif args.roofline:
             _roofline(args, batch, target, draft, exits, mesh, compiled, bandwidth)

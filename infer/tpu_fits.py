@@ -42,6 +42,9 @@ def _parse(argv):
     p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
                    help="per-token acceptance rates for Lemma 3.1's columns (default: the "
                         "SmolLM2 sorted draft's measured 0.25)")
+    p.add_argument("--paper-acceptance", type=float, default=None, metavar="A",
+                   help="the S2D paper's per-token acceptance for one more Lemma 3.1 column "
+                        "(none is built in: the column says n/a)")
     return p.parse_args(argv)
 
 
@@ -106,16 +109,17 @@ def main(argv=None):
     methods = _pick(args.methods, ("ar", "sd", "s2d"), "--methods")
     batches = parse_ints(args.batch, "--batch", minimum=1)
     acceptances = parse_floats(args.acceptance, "--acceptance", nonempty=True)
-    if not all(0 <= a < 1 for a in acceptances):
-        raise S2DError(f"--acceptance {args.acceptance!r}: rates in [0, 1), e.g. 0.25")
+    paper = args.paper_acceptance
+    if not all(0 <= a < 1 for a in acceptances + ([] if paper is None else [paper])):
+        raise S2DError(f"--acceptance {args.acceptance!r} / --paper-acceptance {paper}: "
+                       f"rates in [0, 1), e.g. 0.25")
     state = args.state or re.sub(r"\.md$", "", args.out) + ".rows"
     from s2d_jax.io.outputs import Output, check_outputs
     check_outputs([Output("--out", args.out), Output("--state", state, CACHE)], {})
     store = RowStore(state)
     import dataclasses
 
-    from s2d_jax.parallel import topology
-    topology.prepare()
+    from s2d_jax.parallel import topology  # devices() prepares libtpu where a row compiles
     from s2d_jax.config import load_model_config
     from s2d_jax.decode.tpu_fits import SLICES, compile_record, markdown, row_key
     from s2d_jax.io.atomic import write_atomic
@@ -144,8 +148,9 @@ def main(argv=None):
                                           args.context, (6, 9, 12))
                 store.add(rec, hlo)
                 print(f"done {rec['key']}" + (" (refused)" if hlo is None else ""), flush=True)
-    labels = {f"acceptance {a:g}": a for a in acceptances}
-    table = markdown([_with_walk(store.rows[k], store) for k in keys], labels)
+    from s2d_jax.decode.tpu_report import acceptance_columns
+    table = markdown([_with_walk(store.rows[k], store) for k in keys],
+                     acceptance_columns(acceptances, paper))
     write_atomic(args.out, "\n".join(table) + "\n")
     print("\n".join(table))
     return 0

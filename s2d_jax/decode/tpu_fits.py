@@ -86,6 +86,8 @@ def _lemma(rec: dict, ar: dict | None, a: float) -> str:
     bandwidth divides both): slowest (AR's dearest over this round's lo) .. fastest."""
     if rec["method"] == "ar" or ar is None or "walk" not in rec or "walk" not in ar:
         return "-"
+    if a is None:
+        return "n/a"
     n = expected_tokens(a, rec["gamma"])
     lo, hi = rec["walk"]
     return _span(lemma_speedup(ar["walk"][1], hi, n), lemma_speedup(ar["walk"][0], lo, n),
@@ -94,7 +96,8 @@ def _lemma(rec: dict, ar: dict | None, a: float) -> str:
 
 def markdown(records: list[dict], acceptances: dict) -> list[str]:
     """The table; `records` with their "walk" [lo, hi] round bytes where compiled;
-    `acceptances`: column label -> per-token acceptance for Lemma 3.1's columns."""
+    `acceptances`: column label -> per-token acceptance (None: unknown, "n/a") for Lemma
+    3.1's columns."""
     heads = [f"Lemma 3.1 speedup at {label}" for label in acceptances]
     out = ["| slice | target | method | batch | arguments GiB/device | temp GiB/device | "
            "fits (peak, % of HBM) | round >= ms (roofline) | round ms (HLO walk) | "
