@@ -7,7 +7,8 @@ v6e slices, compiled by the TPU compiler on this machine (libtpu, no TPU):
 Prints a markdown table (s2d_jax/decode/tpu_fits.py says what each column is) and writes it
 to --out. ~50 compiles: about half an hour on 2 free CPU cores. Every finished row is kept
 in --state (rows.json and the row's compiled HLO), and a rerun compiles only the rows not
-there yet: an interrupted grid resumes, and the table is re-rendered from what is kept.
+there yet: an interrupted grid resumes, and the table is re-rendered from what is kept
+(`--kept-only`: render the rows kept so far, compile nothing).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def _parse(argv):
     p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
                    help="per-token acceptance rates for Lemma 3.1's columns (default: the "
                         "SmolLM2 sorted draft's measured 0.25)")
+    p.add_argument("--kept-only", action="store_true",
+                   help="compile nothing: the table of the rows --state keeps so far (while "
+                        "another run fills it)")
     p.add_argument("--paper-acceptance", type=float, default=None, metavar="A",
                    help="the S2D paper's per-token acceptance for one more Lemma 3.1 column "
                         "(none is built in: the column says n/a)")
@@ -136,7 +140,7 @@ def main(argv=None):
             slice_keys = [row_key(topo, name, m, b, args.context)
                           for m in methods for b in batches]
             keys += slice_keys
-            if all(k in store.rows for k in slice_keys):
+            if args.kept_only or all(k in store.rows for k in slice_keys):
                 continue  # every row of this slice is kept: no devices, no compile
             devs = topology.devices(topo)
             mesh = build_mesh(MeshConfig(tensor=len(devs)), {"target": target, "draft": draft},
@@ -149,7 +153,7 @@ def main(argv=None):
                 store.add(rec, hlo)
                 print(f"done {rec['key']}" + (" (refused)" if hlo is None else ""), flush=True)
     from s2d_jax.decode.tpu_report import acceptance_columns
-    table = markdown([_with_walk(store.rows[k], store) for k in keys],
+    table = markdown([_with_walk(store.rows[k], store) for k in keys if k in store.rows],
                      acceptance_columns(acceptances, paper))
     write_atomic(args.out, "\n".join(table) + "\n")
     print("\n".join(table))

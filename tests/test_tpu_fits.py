@@ -93,6 +93,10 @@ def test_a_paper_column_without_the_paper_figure_says_so(tmp_path):
                           "--chips", "v5e", "--methods", "ar,sd", "--batch", "1"]) == 0
     sd = (tmp_path / "t.md").read_text().splitlines()[3].split("|")[1:-1]
     assert sd[-1].strip() == "n/a"
+    # --kept-only: the rows kept so far (the whole default grid asked, two rows kept)
+    assert tpu_fits.main(["--out", str(tmp_path / "k.md"), "--state", str(state),
+                          "--kept-only"]) == 0
+    assert len((tmp_path / "k.md").read_text().splitlines()) == 2 + 2
 
 
 def test_bad_state_and_rates_are_one_line_errors(tmp_path, capsys):
