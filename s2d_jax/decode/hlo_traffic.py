@@ -110,6 +110,7 @@ class Module:
     """A parsed HLO module: computations -> instructions, with a name -> type table each."""
 
     def __init__(self, hlo: str):
+        self.hlo, self._any_space = hlo, None
         self.comps = parse_computations(hlo)
         self.instrs, self.types = {}, {}
         for comp, lines in self.comps.items():
@@ -121,6 +122,14 @@ class Module:
                                         _operands(m.group(4)), line))
             self.instrs[comp] = parsed
             self.types[comp] = {i.name: i.type for i in parsed}
+
+    def any_space(self) -> "Module":
+        """This module with the memory-space annotations dropped: every array counts as if
+        in HBM (what an instruction touches anywhere, not only its HBM traffic)."""
+        if self._any_space is None:
+            self._any_space = Module(_SPACE.sub("", self.hlo)) if _SPACE.search(self.hlo) \
+                else self
+        return self._any_space
 
     def operand_type(self, comp: str, ins: Instr, k: int) -> str:
         return self.types[comp].get(ins.operands[k], "") if k < len(ins.operands) else ""
@@ -361,18 +370,6 @@ def _op_label(mod: Module, ins: Instr) -> str:
     return f"{ins.opcode} {'/'.join(parts[-3:])}"
 
 
-# What a skip branch holds: its outputs are constants, broadcasts of them or its inputs.
-PLUMBING = {"parameter", "constant", "broadcast", "iota", "copy", "tuple", "get-tuple-element",
-            "bitcast"}
-
-
-def computes(mod: Module, comp: str) -> bool:
-    """`comp` computes something from data: an instruction beyond plumbing, or a fusion
-    with operands (one without makes a constant)."""
-    return any(i.opcode not in PLUMBING and (i.opcode != "fusion" or i.operands)
-               for i in mod.instrs[comp])
-
-
 def computation_traffic(mod: Module, comp: str, caches) -> Traffic:
     out = Traffic()
     for ins in mod.instrs[comp]:
@@ -388,12 +385,14 @@ def computation_traffic(mod: Module, comp: str, caches) -> Traffic:
         elif ins.opcode == "conditional":
             branches = [computation_traffic(mod, c, caches) for c in called]
             dear = max(branches, key=lambda t: t.hi)
-            # a branch that does next to nothing and computes nothing skips rows that are
-            # done (a draft step when no row drafts): a live round takes the other one. (On
-            # TPU S2D's no-escalation branch moves little HBM too, its weights prefetched
-            # into VMEM before the conditional, but it computes the deeper K/V: live.)
-            live = [t.lo for t, c in zip(branches, called)
-                    if t.hi >= SKIP_FRACTION * dear.hi or computes(mod, c)] or [dear.lo]
+            # a branch that touches next to nothing skips rows that are done (a draft step
+            # when no row drafts): a live round takes the other one. Judged by the bytes it
+            # touches in any memory: on TPU S2D's no-escalation branch moves little HBM (the
+            # deeper wk/wv it reads for the K/V fill are prefetched into VMEM before the
+            # conditional) but is live.
+            touched = [computation_traffic(mod.any_space(), c, caches).hi for c in called]
+            live = [t.lo for t, b in zip(branches, touched)
+                    if b >= SKIP_FRACTION * max(touched)] or [dear.lo]
             out.add(Traffic(min(live), dear.hi, dear.ops, dear.guessed_loops))
         elif ins.opcode == "call":
             for c in called:
