@@ -14,27 +14,30 @@ their body by their trip count: XLA's `known_trip_count`, else, for a loop that 
 cache block by block (the attention's), the cache's length over the block's - the round at
 the end of the context, where attention reads the whole cache. A conditional
 costs its cheapest live branch in `lo` and its dearest in `hi` (S2D: never / always
-escalating; a branch that does next to nothing is the skip of finished rows, not live).
+escalating; a branch that touches next to nothing is the skip of finished rows, not live).
+
+The TPU compiler's program is read as HBM traffic: arrays whose layout names an on-chip
+memory space (`S(1)` VMEM, `S(2)`/`S(6)` scalar and sync memory) cost nothing (on XLA:CPU
+none does); a parameter its fusion reads only through slices, also in nested fusions (the
+TPU slices a layer off a weight stack in a kLoop fusion inside the matmul's), costs its
+slices; `copy-start` / `slice-start` (prefetches into VMEM, evictions out of it) cost their
+HBM side; `ConcatBitcast` joins buffers in place. `Traffic.on_chip` says what the round loop
+keeps in VMEM from round to round (its reads there are not in `lo`/`hi`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
-from s2d_jax.decode.hlo_copies import _callees, decode_loop_body, parse_computations
+from s2d_jax.decode.hlo_copies import _callees, decode_loop_body
+from s2d_jax.decode.hlo_module import (Instr, Module, arrays_of, hbm_bytes, in_hbm, nbytes,
+                                       root_of, type_bytes, users_of)
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
-_SPACE = re.compile(r"S\((\d+)\)")
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONST = re.compile(r"constant\((-?\d+)\)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
         "partition-id", "replica-id", "optimization-barrier", "copy-done", "slice-done",
         "async-done", "all-reduce-done", "all-gather-done", "collective-permute-done"}
@@ -53,105 +56,6 @@ SKIP_FRACTION = 0.05
 IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand index of the update
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...], int]]:
-    """(dtype, dims, memory space) of each array of an HLO type, in order."""
-    out = []
-    for dt, dims, layout in _ARRAY.findall(type_text):
-        space = _SPACE.search(layout)
-        out.append((dt, tuple(int(d) for d in dims.split(",") if d),
-                    int(space.group(1)) if space else 0))
-    return out
-
-
-def _nbytes(dt: str, dims) -> int:
-    return DTYPE_BYTES.get(dt, 0) * math.prod(dims)
-
-
-def type_bytes(type_text: str) -> int:
-    """Bytes of an HLO type: an array `bf16[8,128]{1,0}` or a tuple of them."""
-    return sum(_nbytes(dt, dims) for dt, dims, _ in _arrays(type_text))
-
-
-def hbm_bytes(type_text: str) -> int:
-    """Bytes of the arrays of an HLO type that lie in device memory (HBM): memory space 0.
-    The TPU compiler annotates the others in the layout: `S(1)` on-chip VMEM, `S(2)` /
-    `S(6)` scalar and sync memories; traffic to them is no HBM traffic. XLA:CPU's arrays
-    carry none (all count)."""
-    return sum(_nbytes(dt, dims) for dt, dims, space in _arrays(type_text) if space == 0)
-
-
-def in_hbm(type_text: str) -> bool:
-    """The (first) array of a type lies in HBM."""
-    arrays = _arrays(type_text)
-    return bool(arrays) and arrays[0][2] == 0
-
-
-def _operands(rest: str) -> list[str]:
-    """The %names inside the instruction's operand parentheses."""
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", rest[:end])
-
-
-@dataclasses.dataclass
-class Instr:
-    name: str
-    type: str
-    opcode: str
-    operands: list[str]
-    line: str
-
-
-class Module:
-    """A parsed HLO module: computations -> instructions, with a name -> type table each."""
-
-    def __init__(self, hlo: str):
-        self.hlo, self._any_space = hlo, None
-        self.comps = parse_computations(hlo)
-        self.instrs, self.types = {}, {}
-        for comp, lines in self.comps.items():
-            parsed = []
-            for line in lines:
-                m = _INSTR.match(line)
-                if m:
-                    parsed.append(Instr(m.group(1), m.group(2), m.group(3),
-                                        _operands(m.group(4)), line))
-            self.instrs[comp] = parsed
-            self.types[comp] = {i.name: i.type for i in parsed}
-
-    def any_space(self) -> "Module":
-        """This module with the memory-space annotations dropped: every array counts as if
-        in HBM (what an instruction touches anywhere, not only its HBM traffic)."""
-        if self._any_space is None:
-            self._any_space = Module(_SPACE.sub("", self.hlo)) if _SPACE.search(self.hlo) \
-                else self
-        return self._any_space
-
-    def operand_type(self, comp: str, ins: Instr, k: int) -> str:
-        return self.types[comp].get(ins.operands[k], "") if k < len(ins.operands) else ""
-
-    def operand_bytes(self, comp: str, ins: Instr, k: int) -> int:
-        return type_bytes(self.operand_type(comp, ins, k))
-
-
-def _root(body: list[Instr]) -> Instr:
-    return next((i for i in body if i.line.lstrip().startswith("ROOT")), body[-1])
-
-
-def _users(instrs: list[Instr], name: str) -> list[tuple[Instr, int]]:
-    """(user, operand index) of `name`, looking through bitcasts."""
-    out = []
-    for ins in instrs:
-        for k, op in enumerate(ins.operands):
-            if op == name:
-                out += (_users(instrs, ins.name) if ins.opcode == "bitcast" else [(ins, k)])
-    return out
-
-
 def _outputs(mod: Module, comp: str, ins: Instr) -> list[int]:
     """Bytes `ins` writes per output (a tuple root: each element): its update when it
     updates a buffer in place (also inside a nested fusion), else the output whole."""
@@ -163,7 +67,7 @@ def _outputs(mod: Module, comp: str, ins: Instr) -> list[int]:
                 for o in ins.operands]
     if ins.opcode == "fusion":
         nested = _callees(ins.line)[0]
-        return _outputs(mod, nested, _root(mod.instrs[nested]))
+        return _outputs(mod, nested, root_of(mod.instrs[nested]))
     return [type_bytes(ins.type)]
 
 
@@ -173,7 +77,7 @@ def _written(mod: Module, comp: str, ins: Instr) -> int:
 
 def _scalar(ins: Instr) -> bool:
     """A scalar result: index arithmetic (an attention block's start, min(c * C, S - C))."""
-    arrays = _arrays(ins.type)
+    arrays = arrays_of(ins.type)
     return bool(arrays) and all(dims == () for _, dims, _ in arrays)
 
 
@@ -187,7 +91,7 @@ def _sliced_read(mod: Module, comp: str, name: str) -> int | None:
     (dynamic-slice / gather, also inside nested fusions: the TPU compiler nests a kLoop
     fusion that slices one layer off a weight stack inside the matmul's kOutput fusion) or
     only updates it in place; None: read whole."""
-    users = _users(mod.instrs[comp], name)
+    users = users_of(mod.instrs[comp], name)
     if not users:
         return None
     total = 0
@@ -215,10 +119,10 @@ def fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
     fused = _callees(ins.line)[0]
     body = mod.instrs[fused]
     if (all(i.opcode in VIEW or _scalar(i) for i in body)
-            and _root(body).opcode != "parameter" and in_hbm(ins.type)):
+            and root_of(body).opcode != "parameter" and in_hbm(ins.type)):
         return 0  # a slice its consumer reads in place on a GPU/TPU (XLA:CPU copies it out)
-    outs = _outputs(mod, fused, _root(body))
-    arrays = _arrays(ins.type)
+    outs = _outputs(mod, fused, root_of(body))
+    arrays = arrays_of(ins.type)
     if len(outs) == len(arrays):
         total = sum(b for b, (_, _, space) in zip(outs, arrays) if space == 0)
     else:  # outputs nested deeper than one tuple: in HBM as the whole type lies
@@ -237,11 +141,11 @@ def _async_start(mod: Module, comp: str, ins: Instr) -> int:
     """copy-start (result: destination, source, context) and slice-start (result: (source),
     destination, sync flag): the source's bytes (the slice's) read where the source lies in
     HBM, the destination's written where it does (a prefetch into VMEM: the read only)."""
-    arrays = _arrays(ins.type)
+    arrays = arrays_of(ins.type)
     if len(arrays) < 2:
         return 0
     dt, dims, space = arrays[1] if ins.opcode == "slice-start" else arrays[0]
-    size = _nbytes(dt, dims)
+    size = nbytes(dt, dims)
     return (size if in_hbm(mod.operand_type(comp, ins, 0)) else 0) + (size if space == 0 else 0)
 
 
@@ -266,8 +170,8 @@ def instr_bytes(mod: Module, comp: str, ins: Instr) -> int:
     operands = [mod.operand_type(comp, ins, k) for k in range(len(ins.operands))]
     result = hbm_bytes(ins.type)
     if ins.opcode.endswith("-start"):  # an async collective: a result tuple repeats its
-        dt, dims, space = _arrays(ins.type)[-1]  # operands; the last array is its own
-        result = _nbytes(dt, dims) if space == 0 else 0
+        dt, dims, space = arrays_of(ins.type)[-1]  # operands; the last array is its own
+        result = nbytes(dt, dims) if space == 0 else 0
     return result + sum(hbm_bytes(t) for t in operands)
 
 
@@ -287,8 +191,8 @@ def sweep_trips(mod: Module, body: str, cache_shapes) -> int | None:
         for ins in mod.instrs[c]:
             if ins.opcode != "dynamic-slice" or not ins.operands:
                 continue
-            src = _arrays(mod.types[c].get(ins.operands[0], ""))
-            out = _arrays(ins.type)
+            src = arrays_of(mod.types[c].get(ins.operands[0], ""))
+            out = arrays_of(ins.type)
             if not src or not out or src[0][1] not in whole | layer:
                 continue
             length, block = src[0][1][-2], out[0][1][-2]  # the slots axis (S)
@@ -412,6 +316,6 @@ def round_traffic(hlo: str, cache_shapes) -> Traffic:
     body = decode_loop_body(mod.comps)
     out = computation_traffic(mod, body, cache_shapes)
     carried = next((i.type for i in mod.instrs[body] if i.opcode == "parameter"), "")
-    out.on_chip = sum(_nbytes(dt, dims) for dt, dims, space in _arrays(carried)
+    out.on_chip = sum(nbytes(dt, dims) for dt, dims, space in arrays_of(carried)
                       if space != 0 and dims)
     return out
