@@ -62,6 +62,8 @@ def compile_record(chip, topo, mesh, name, target, draft, method, batch, context
     try:
         compiled, _, seconds = compile_generate(setup, mesh)
     except Exception as e:  # the TPU compiler refuses a program over the chip's HBM
+        if "RESOURCE_EXHAUSTED" not in str(e) and "memory" not in str(e).lower():
+            raise  # not a refusal: nothing to keep as the row's answer
         return {**rec, "refusal": _refusal(e)}, None
     rep = memory_report(compiled, setup, mesh)
     rec.update(argument=rep["argument"], temp=rep["temp"], peak=rep["peak_estimate"],
