@@ -67,11 +67,14 @@ else:
 '''
 
 
+# the child's environment: no fake CPU devices, libtpu from S2D_LIBTPU_PATH where given
+ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+       **({"TPU_LIBRARY_PATH": LIBTPU} if LIBTPU else {})}
+
+
 def _run(*args):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600,
-                          env={**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
-                               **({"TPU_LIBRARY_PATH": LIBTPU} if LIBTPU else {})})
+                          text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return eval(proc.stdout.strip().splitlines()[-1])  # the summary dict: kind -> (n, bytes)
 
@@ -164,8 +167,7 @@ def test_tpu_every_method_copies_no_cache():
     no cache copy per round (measured ~2 minutes on 2 cores). (The lookup rung is not
     in this code base yet.)"""
     proc = subprocess.run([sys.executable, "-c", SWEEP, "looped,unrolled"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=1200,
-                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+                          capture_output=True, text=True, timeout=1200, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.startswith(("looped", "unrolled"))]
