@@ -221,8 +221,9 @@ def main(argv=None):
     batches = parse_ints(args.batch, "--batch", minimum=1)
     exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
     args.acceptance = _acceptances(args.acceptance)
-    if args.paper_acceptance is not None:
-        _acceptances(str(args.paper_acceptance))
+    if args.paper_acceptance is not None and not 0 <= args.paper_acceptance < 1:
+        raise S2DError(f"--paper-acceptance {args.paper_acceptance}: a per-token acceptance "
+                       f"rate in [0, 1)")
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
                                     device_memory_bytes, format_report, memory_report)
     from s2d_jax.decode.roofline import device_bandwidth
