@@ -63,9 +63,8 @@ def _parse(argv):
                    help="also compile AR and SD (deepest exit) beside S2D and print each round's "
                         "HLO bytes per device, its minimum and the time bound at the device's "
                         "memory bandwidth, with Lemma 3.1's speedup bound (see --acceptance)")
-    p.add_argument("--acceptance", default="0.25", metavar="A[,A...]",
-                   help="per-token acceptance rates in [0, 1) for the speedup bound (default "
-                        "0.25: the SmolLM2 sorted draft's measured, docs/results.md)")
+    for name in ("--acceptance", "--paper-acceptance"):
+        add(p, name, CMD)
     p.add_argument("--bandwidth", type=finite_number, default=None, metavar="GB/s",
                    help="memory bandwidth of one device (default: the --device-memory "
                         "preset's datasheet figure, s2d_jax/decode/roofline.py)")
@@ -250,6 +249,9 @@ def main(argv=None):
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
     exits = parse_ints(args.exits, "--exits", minimum=1) if args.exits else None
     args.acceptance = _acceptances(args.acceptance)
+    if args.paper_acceptance is not None and not 0 <= args.paper_acceptance < 1:
+        raise S2DError(f"--paper-acceptance {args.paper_acceptance}: a per-token acceptance "
+                       f"rate in [0, 1)")
     from s2d_jax.decode.aot import (GenerateSetup, accelerator_like_options, compile_generate,
                                     device_memory_bytes, format_report, memory_report)
     from s2d_jax.decode.roofline import device_bandwidth
@@ -287,7 +289,8 @@ def main(argv=None):
                       setting.method: setup}  # the compiled setting's own
             setups = dict(sorted(setups.items(), key=lambda kv: method_order(kv[0])))
             for line in tpu_round_lines(setups, mesh, (setting.method, compiled), bandwidth,
-                                        args.device_memory, args.acceptance):
+                                        args.device_memory, args.acceptance,
+                                        args.paper_acceptance):
                 print(line)
         elif args.roofline:
             _roofline(args, batch, target, draft, draft_exits, mesh, compiled, bandwidth,

@@ -5,14 +5,23 @@ v6e slices, compiled by the TPU compiler on this machine (libtpu, no TPU):
     python -m infer.tpu_fits --out-file runs/tpu_fits.md
 
 Prints a markdown table (s2d_jax/decode/tpu_fits.py says what each column is) and writes it
-to --out-file. ~50 compiles: about half an hour on 2 CPU cores.
+to --out-file. ~50 compiles: about half an hour on 2 free CPU cores. Every finished row is kept
+in --state (rows.json and the row's compiled HLO), and a rerun compiles only the rows not
+there yet: an interrupted grid resumes, and the table is re-rendered from what is kept
+(`--kept-only`: render the rows kept so far, compile nothing).
 """
 
 from __future__ import annotations
 
-from s2d_jax.cli.args import ArgumentParser, parse_ints
+import gzip
+import json
+import os
+import re
+
+from s2d_jax.cli.args import ArgumentParser, add_output, parse_floats, parse_ints
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
+from s2d_jax.io.outputs import CACHE
 
 CMD = "tpu-fits"  # its s2d subcommand: the name its shared flags are defined for
 
@@ -25,12 +34,18 @@ DRAFT = "configs/models/vicuna-7b-v1.5.yaml"
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.tpu_fits", description=__doc__)
     add(p, "--out-file", CMD, required=True)
+    add_output(p, "--state", kind=CACHE, default=None,
+               help="dir keeping finished rows (rows.json, the HLO of each) so a rerun "
+                    "resumes (default: --out-file's path without .md, plus .rows)")
     # model presets by name, not model paths: not the shared --target
     p.add_argument("--models", default=",".join(TARGETS), metavar="NAMES",
                    help="the target presets, comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--chips", default="v5e,v5p,v6e", help="chip generations")
-    for name in ("--methods", "--batch-sizes", "--context"):
+    for name in ("--methods", "--batch-sizes", "--context", "--acceptance", "--paper-acceptance"):
         add(p, name, CMD)
+    p.add_argument("--kept-only", action="store_true",
+                   help="compile nothing: the table of the rows --state keeps so far (while "
+                        "another run fills it)")
     return p.parse_args(argv)
 
 
@@ -42,6 +57,51 @@ def _pick(text, known, flag):
     return items
 
 
+class RowStore:
+    """Finished rows: `dir/rows.json` (key -> record) and `dir/<key>.hlo.gz`, each written
+    atomically as its row finishes."""
+
+    def __init__(self, path: str):
+        self.dir = path
+        os.makedirs(path, exist_ok=True)
+        self.index = os.path.join(path, "rows.json")
+        self.rows = {}
+        if os.path.exists(self.index):
+            try:
+                with open(self.index) as f:
+                    self.rows = json.load(f)
+            except (OSError, ValueError) as e:
+                raise S2DError(f"--state {path}: cannot read rows.json ({e}); move it away "
+                               f"to start the grid afresh") from None
+
+    def hlo_path(self, key: str) -> str:
+        return os.path.join(self.dir, re.sub(r"[^\w.-]+", "_", key) + ".hlo.gz")
+
+    def add(self, rec: dict, hlo: str | None) -> None:
+        from s2d_jax.io.atomic import write_atomic
+        if hlo is not None:
+            write_atomic(self.hlo_path(rec["key"]), gzip.compress(hlo.encode(), 6))
+        self.rows[rec["key"]] = rec
+        write_atomic(self.index, json.dumps(self.rows, indent=1) + "\n")
+
+    def hlo(self, key: str) -> str | None:
+        path = self.hlo_path(key)
+        if not os.path.exists(path):
+            return None
+        with gzip.open(path, "rt") as f:
+            return f.read()
+
+
+def _with_walk(rec: dict, store: RowStore) -> dict:
+    """The record with its round loop's bytes (hlo_traffic's walk of the kept HLO)."""
+    hlo = store.hlo(rec["key"]) if "refusal" not in rec else None
+    if hlo is None:
+        return rec
+    from s2d_jax.decode.hlo_traffic import round_traffic
+    t = round_traffic(hlo, [tuple(s) for s in rec["cache_shapes"]])
+    return {**rec, "walk": [t.lo, t.hi]}
+
+
 @cli_main
 def main(argv=None):
     args = _parse(argv)
@@ -50,35 +110,49 @@ def main(argv=None):
     from s2d_jax.decode.methods import methods_where
     methods = _pick(args.methods, methods_where(self_draft=False), "--methods")
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
+    acceptances = parse_floats(args.acceptance, "--acceptance", nonempty=True)
+    paper = args.paper_acceptance
+    if not all(0 <= a < 1 for a in acceptances + ([] if paper is None else [paper])):
+        raise S2DError(f"--acceptance {args.acceptance!r} / --paper-acceptance {paper}: "
+                       f"rates in [0, 1), e.g. 0.25")
+    state = args.state or re.sub(r"\.md$", "", args.out_file) + ".rows"
     from s2d_jax.io.outputs import Output, check_outputs
-    check_outputs([Output("--out-file", args.out_file)], {})
+    check_outputs([Output("--out-file", args.out_file), Output("--state", state, CACHE)], {})
+    store = RowStore(state)
     import dataclasses
 
-    from s2d_jax.parallel import topology
-    topology.prepare()
+    from s2d_jax.parallel import topology  # devices() prepares libtpu where a row compiles
     from s2d_jax.config import load_model_config
-    from s2d_jax.decode.tpu_fits import SLICES, fits_row, markdown
+    from s2d_jax.decode.tpu_fits import SLICES, compile_record, markdown, row_key
     from s2d_jax.io.atomic import write_atomic
     from s2d_jax.parallel.mesh import MeshConfig
     from s2d_jax.parallel.multihost import build_mesh
     bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
     draft = dataclasses.replace(load_model_config(DRAFT), num_layers=12, **bf16)
-    rows = []
+    keys = []
     for name in targets:
         target = dataclasses.replace(load_model_config(TARGETS[name]), **bf16)
         for chip, topo in SLICES["70b" if "70b" in name else "small"]:
             if chip not in chips:
                 continue
+            slice_keys = [row_key(topo, name, m, b, args.context)
+                          for m in methods for b in batches]
+            keys += slice_keys
+            if args.kept_only or all(k in store.rows for k in slice_keys):
+                continue  # every row of this slice is kept: no devices, no compile
             devs = topology.devices(topo)
             mesh = build_mesh(MeshConfig(tensor=len(devs)), {"target": target, "draft": draft},
                               devices=devs)
-            for method in methods:
-                for batch in batches:
-                    row = fits_row(chip, topo, mesh, name, target, draft, method, batch,
-                                   args.context, (6, 9, 12))
-                    rows.append(row)
-                    print(markdown([row])[-1], flush=True)
-    table = markdown(rows)
+            for method, batch in ((m, b) for m in methods for b in batches):
+                if row_key(topo, name, method, batch, args.context) in store.rows:
+                    continue
+                rec, hlo = compile_record(chip, topo, mesh, name, target, draft, method, batch,
+                                          args.context, (6, 9, 12))
+                store.add(rec, hlo)
+                print(f"done {rec['key']}" + (" (refused)" if hlo is None else ""), flush=True)
+    from s2d_jax.decode.tpu_report import acceptance_columns
+    table = markdown([_with_walk(store.rows[k], store) for k in keys if k in store.rows],
+                     acceptance_columns(acceptances, paper))
     write_atomic(args.out_file, "\n".join(table) + "\n")
     print("\n".join(table))
     return 0

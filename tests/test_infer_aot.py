@@ -92,6 +92,8 @@ def _cli(*args):
      "error: --roofline compares AR with SD and S2D; pass --draft-config"),
     (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml", "--roofline",
       "--bandwidth", "nan"], "error: argument --bandwidth: 'nan' is not a finite number"),
+    (["--target", "configs/models/tiny.yaml", "--paper-acceptance", "1.5"],
+     "error: --paper-acceptance 1.5: a per-token acceptance rate in [0, 1)"),
 ])
 def test_cli_refuses_a_mesh_that_does_not_fit_with_one_line(args, message):
     proc = _cli(*args)

@@ -266,6 +266,15 @@ FLAGS: dict[str, Flag] = {
                       "a study's dir follows its engine's",
                       help="the directory to write (default: $S2D_JAX_CACHE/scaling/NAME, "
                            "NAME the engine dir's name)")}),
+    # --- Lemma 3.1's speedup columns (aot, tpu-fits) -------------------------------------
+    "--acceptance": _flag(
+        default="0.25", metavar="A[,A...]",
+        help="per-token acceptance rates in [0, 1) for Lemma 3.1's speedup columns (default "
+             "0.25: the SmolLM2 sorted draft's measured, docs/results.md)"),
+    "--paper-acceptance": _flag(
+        type=float, default=None, metavar="A",
+        help="the S2D paper's per-token acceptance: one more Lemma 3.1 column (none is built "
+             "in: the column says n/a)"),
     "--out-file": _flag(
         "output", default=None, metavar="FILE",
         help="also write the results to FILE (its format: the description above)"),

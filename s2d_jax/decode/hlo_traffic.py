@@ -14,27 +14,36 @@ their body by their trip count: XLA's `known_trip_count`, else, for a loop that 
 cache block by block (the attention's), the cache's length over the block's - the round at
 the end of the context, where attention reads the whole cache. A conditional
 costs its cheapest live branch in `lo` and its dearest in `hi` (S2D: never / always
-escalating; a branch that does next to nothing is the skip of finished rows, not live).
+escalating; a branch that touches next to nothing is the skip of finished rows, not live).
+
+The TPU compiler's program is read as HBM traffic: arrays whose layout names an on-chip
+memory space (`S(1)` VMEM, `S(2)`/`S(6)` scalar and sync memory) cost nothing (on XLA:CPU
+none does); a parameter its fusion reads only through slices, also in nested fusions (the
+TPU slices a layer off a weight stack in a kLoop fusion inside the matmul's), costs its
+slices; `copy-start` / `slice-start` (prefetches into VMEM, evictions out of it) cost their
+HBM side; `ConcatBitcast` joins buffers in place. `Traffic.on_chip` says what the round loop
+keeps in VMEM from round to round (its reads there are not in `lo`/`hi`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
-from s2d_jax.decode.hlo_copies import _callees, decode_loop_body, parse_computations
+from s2d_jax.decode.hlo_copies import _callees, decode_loop_body
+from s2d_jax.decode.hlo_module import (Instr, Module, arrays_of, hbm_bytes, in_hbm, nbytes,
+                                       root_of, type_bytes, users_of)
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _TRIPS = re.compile(r'known_trip_count"?\s*:\s*\{\s*"?n"?\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CONST = re.compile(r"constant\((-?\d+)\)")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-               "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-               "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all",
-        "partition-id", "replica-id", "optimization-barrier", "copy-start", "copy-done"}
+        "partition-id", "replica-id", "optimization-barrier", "copy-done", "slice-done",
+        "async-done", "all-reduce-done", "all-gather-done", "collective-permute-done"}
+# Custom calls of the TPU compiler that move nothing: a concatenation of buffers already
+# adjacent (its async slices' destinations), an allocation, an index-range assertion.
+FREE_CALLS = {"ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound"}
 SLICING = {"dynamic-slice", "slice", "gather"}
 # Fusions of only these (and scalar index arithmetic) are views: a layer of stacked weights,
 # a block of a cache. XLA:CPU materializes them (read + write) before a matmul; an
@@ -47,119 +56,123 @@ SKIP_FRACTION = 0.05
 IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode -> operand index of the update
 
 
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(dt, tuple(int(d) for d in dims.split(",") if d))
-            for dt, dims in _ARRAY.findall(type_text)]
-
-
-def type_bytes(type_text: str) -> int:
-    """Bytes of an HLO type: an array `bf16[8,128]{1,0}` or a tuple of them."""
-    return sum(DTYPE_BYTES.get(dt, 0) * math.prod(dims) for dt, dims in _arrays(type_text))
-
-
-def _operands(rest: str) -> list[str]:
-    """The %names inside the instruction's operand parentheses."""
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            end = i
-            break
-    return re.findall(r"%([\w.\-]+)", rest[:end])
-
-
-@dataclasses.dataclass
-class Instr:
-    name: str
-    type: str
-    opcode: str
-    operands: list[str]
-    line: str
-
-
-class Module:
-    """A parsed HLO module: computations -> instructions, with a name -> type table each."""
-
-    def __init__(self, hlo: str):
-        self.comps = parse_computations(hlo)
-        self.instrs, self.types = {}, {}
-        for comp, lines in self.comps.items():
-            parsed = []
-            for line in lines:
-                m = _INSTR.match(line)
-                if m:
-                    parsed.append(Instr(m.group(1), m.group(2), m.group(3),
-                                        _operands(m.group(4)), line))
-            self.instrs[comp] = parsed
-            self.types[comp] = {i.name: i.type for i in parsed}
-
-    def operand_bytes(self, comp: str, ins: Instr, k: int) -> int:
-        if k >= len(ins.operands):
-            return 0
-        return type_bytes(self.types[comp].get(ins.operands[k], ""))
-
-
-ASYNC_DONE = {"all-reduce-done", "all-gather-done", "collective-permute-done", "async-done"}
-
-
-def _users(instrs: list[Instr], name: str) -> list[tuple[Instr, int]]:
-    """(user, operand index) of `name`, looking through bitcasts."""
-    out = []
-    for ins in instrs:
-        for k, op in enumerate(ins.operands):
-            if op == name:
-                out += (_users(instrs, ins.name) if ins.opcode == "bitcast" else [(ins, k)])
-    return out
+def _outputs(mod: Module, comp: str, ins: Instr) -> list[int]:
+    """Bytes `ins` writes per output (a tuple root: each element): its update when it
+    updates a buffer in place (also inside a nested fusion), else the output whole."""
+    if ins.opcode in IN_PLACE:
+        return [mod.operand_bytes(comp, ins, IN_PLACE[ins.opcode])]
+    if ins.opcode == "tuple":
+        by_name = {i.name: i for i in mod.instrs[comp]}
+        return [sum(_outputs(mod, comp, by_name[o])) if o in by_name else 0
+                for o in ins.operands]
+    if ins.opcode == "fusion":
+        nested = _callees(ins.line)[0]
+        return _outputs(mod, nested, root_of(mod.instrs[nested]))
+    return [type_bytes(ins.type)]
 
 
 def _written(mod: Module, comp: str, ins: Instr) -> int:
-    """Bytes `ins` writes: its update when it updates a buffer in place, else its result."""
-    if ins.opcode in IN_PLACE:
-        return mod.operand_bytes(comp, ins, IN_PLACE[ins.opcode])
-    if ins.opcode == "tuple":
-        by_name = {i.name: i for i in mod.instrs[comp]}
-        return sum(_written(mod, comp, by_name[o]) if o in by_name else 0 for o in ins.operands)
-    return type_bytes(ins.type)
+    return sum(_outputs(mod, comp, ins))
 
 
 def _scalar(ins: Instr) -> bool:
     """A scalar result: index arithmetic (an attention block's start, min(c * C, S - C))."""
-    arrays = _arrays(ins.type)
-    return bool(arrays) and all(dims == () for _, dims in arrays)
+    arrays = arrays_of(ins.type)
+    return bool(arrays) and all(dims == () for _, dims, _ in arrays)
 
 
-def fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
-    """A fusion reads each operand whole, or only the slices its body takes of it, or
-    nothing of the buffer its root updates in place; it writes its result (or the update)."""
-    fused = _callees(ins.line)[0]
-    body = mod.instrs[fused]
-    root = next((i for i in body if i.line.lstrip().startswith("ROOT")), body[-1])
-    if all(i.opcode in VIEW or _scalar(i) for i in body) and root.opcode != "parameter":
-        return 0  # a slice its consumer reads in place on a GPU/TPU (XLA:CPU copies it out)
-    total = _written(mod, fused, root)
-    for p in (i for i in body if i.opcode == "parameter"):
-        k = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
-        users = _users(body, p.name)
-        if users and all(u.opcode in SLICING | set(IN_PLACE) and j == 0 for u, j in users):
-            # slices read, and the buffer updated in place (only the update is touched)
-            total += sum(type_bytes(u.type) for u, _ in users if u.opcode in SLICING)
+def _param(body: list[Instr], k: int) -> Instr | None:
+    return next((i for i in body if i.opcode == "parameter"
+                 and re.search(rf"parameter\({k}\)", i.line)), None)
+
+
+def _sliced_read(mod: Module, comp: str, name: str) -> int | None:
+    """Bytes a fusion body reads of its parameter `name` when it reads only slices of it
+    (dynamic-slice / gather, also inside nested fusions: the TPU compiler nests a kLoop
+    fusion that slices one layer off a weight stack inside the matmul's kOutput fusion) or
+    only updates it in place; None: read whole."""
+    users = users_of(mod.instrs[comp], name)
+    if not users:
+        return None
+    total = 0
+    for user, k in users:
+        if user.opcode in SLICING and k == 0:
+            total += type_bytes(user.type)
+        elif user.opcode in IN_PLACE and k == 0:
+            continue  # the buffer updated in place: only the update is touched
+        elif user.opcode == "fusion":
+            nested = _callees(user.line)[0]
+            p = _param(mod.instrs[nested], k)
+            part = _sliced_read(mod, nested, p.name) if p is not None else None
+            if part is None:
+                return None
+            total += part
         else:
-            total += mod.operand_bytes(comp, ins, k)
+            return None
     return total
 
 
-def instr_bytes(mod: Module, comp: str, ins: Instr) -> int:
-    """Bytes a non-control instruction reads and writes (see the module doc)."""
-    if ins.opcode in FREE or ins.opcode in ASYNC_DONE:
+def fusion_bytes(mod: Module, comp: str, ins: Instr) -> int:
+    """A fusion reads each operand in HBM whole, or only the slices its body takes of it,
+    or nothing of the buffer its root updates in place; it writes its outputs that lie in
+    HBM (whole, or the update)."""
+    fused = _callees(ins.line)[0]
+    body = mod.instrs[fused]
+    if (all(i.opcode in VIEW or _scalar(i) for i in body)
+            and root_of(body).opcode != "parameter" and in_hbm(ins.type)):
+        return 0  # a slice its consumer reads in place on a GPU/TPU (XLA:CPU copies it out)
+    outs = _outputs(mod, fused, root_of(body))
+    arrays = arrays_of(ins.type)
+    if len(outs) == len(arrays):
+        total = sum(b for b, (_, _, space) in zip(outs, arrays) if space == 0)
+    else:  # outputs nested deeper than one tuple: in HBM as the whole type lies
+        total = sum(outs) if hbm_bytes(ins.type) else 0
+    for p in (i for i in body if i.opcode == "parameter"):
+        k = int(re.search(r"parameter\((\d+)\)", p.line).group(1))
+        operand = mod.operand_type(comp, ins, k)
+        if not hbm_bytes(operand):
+            continue  # on-chip (VMEM): no HBM traffic
+        sliced = _sliced_read(mod, fused, p.name)
+        total += hbm_bytes(operand) if sliced is None else sliced
+    return total
+
+
+def _async_start(mod: Module, comp: str, ins: Instr) -> int:
+    """copy-start (result: destination, source, context) and slice-start (result: (source),
+    destination, sync flag): the source's bytes (the slice's) read where the source lies in
+    HBM, the destination's written where it does (a prefetch into VMEM: the read only)."""
+    arrays = arrays_of(ins.type)
+    if len(arrays) < 2:
         return 0
+    dt, dims, space = arrays[1] if ins.opcode == "slice-start" else arrays[0]
+    size = nbytes(dt, dims)
+    return (size if in_hbm(mod.operand_type(comp, ins, 0)) else 0) + (size if space == 0 else 0)
+
+
+def instr_bytes(mod: Module, comp: str, ins: Instr) -> int:
+    """Bytes of HBM a non-control instruction reads and writes (see the module doc)."""
+    if ins.opcode in FREE:
+        return 0
+    if ins.opcode == "custom-call":
+        m = _TARGET.search(ins.line)
+        if m and m.group(1) in FREE_CALLS:
+            return 0
     if ins.opcode == "fusion":
         return fusion_bytes(mod, comp, ins)
+    if ins.opcode in ("copy-start", "slice-start"):
+        return _async_start(mod, comp, ins)
     if ins.opcode in SLICING:
-        return 2 * type_bytes(ins.type)
+        read = type_bytes(ins.type) if in_hbm(mod.operand_type(comp, ins, 0)) else 0
+        return read + hbm_bytes(ins.type)
     if ins.opcode in IN_PLACE:
-        return 2 * _written(mod, comp, ins)
-    return type_bytes(ins.type) + sum(mod.operand_bytes(comp, ins, k)
-                                      for k in range(len(ins.operands)))
+        update = mod.operand_type(comp, ins, IN_PLACE[ins.opcode])
+        return hbm_bytes(update) + (type_bytes(update) if in_hbm(ins.type) else 0)
+    operands = [mod.operand_type(comp, ins, k) for k in range(len(ins.operands))]
+    result = hbm_bytes(ins.type)
+    if ins.opcode.endswith("-start"):  # an async collective: a result tuple repeats its
+        dt, dims, space = arrays_of(ins.type)[-1]  # operands; the last array is its own
+        result = nbytes(dt, dims) if space == 0 else 0
+    return result + sum(hbm_bytes(t) for t in operands)
 
 
 def sweep_trips(mod: Module, body: str, cache_shapes) -> int | None:
@@ -168,14 +181,18 @@ def sweep_trips(mod: Module, body: str, cache_shapes) -> int | None:
     context. `cache_shapes`: per-device (L, B, K, S, H) of each cache. None: no such read."""
     whole = {tuple(c) for c in cache_shapes}
     layer = {tuple(c[1:]) for c in cache_shapes} | {(1,) + tuple(c[1:]) for c in cache_shapes}
-    comps = [body] + [c for i in mod.instrs[body] if i.opcode == "fusion" for c in _callees(i.line)]
+    comps, todo = [], [body]
+    while todo:  # the body and its fusions, nested ones too (the TPU compiler's)
+        c = todo.pop()
+        comps.append(c)
+        todo += [f for i in mod.instrs[c] if i.opcode == "fusion" for f in _callees(i.line)]
     trips = None
     for c in comps:
         for ins in mod.instrs[c]:
             if ins.opcode != "dynamic-slice" or not ins.operands:
                 continue
-            src = _arrays(mod.types[c].get(ins.operands[0], ""))
-            out = _arrays(ins.type)
+            src = arrays_of(mod.types[c].get(ins.operands[0], ""))
+            out = arrays_of(ins.type)
             if not src or not out or src[0][1] not in whole | layer:
                 continue
             length, block = src[0][1][-2], out[0][1][-2]  # the slots axis (S)
@@ -221,12 +238,15 @@ def loop_trips(mod: Module, comp: str, ins, cache_shapes) -> int | None:
 class Traffic:
     """Bytes of one round per device: `lo` (every conditional's cheapest branch) .. `hi`
     (its dearest), `ops` the hi path's bytes by JAX op (op_name), `guessed_loops` the loops
-    counted once for want of a trip count."""
+    counted once for want of a trip count, `on_chip` the bytes the round loop keeps in
+    on-chip memory from round to round (the TPU compiler holds a small model's caches or
+    weights in VMEM: read there, they cost no HBM traffic; 0 on XLA:CPU)."""
 
     lo: int = 0
     hi: int = 0
     ops: dict = dataclasses.field(default_factory=dict)
     guessed_loops: int = 0
+    on_chip: int = 0
 
     def add(self, other: "Traffic", times: int = 1) -> None:
         self.lo += times * other.lo
@@ -269,9 +289,14 @@ def computation_traffic(mod: Module, comp: str, caches) -> Traffic:
         elif ins.opcode == "conditional":
             branches = [computation_traffic(mod, c, caches) for c in called]
             dear = max(branches, key=lambda t: t.hi)
-            # a branch that does next to nothing skips rows that are done (a draft step
-            # when no row drafts): a live round takes the other one
-            live = [t.lo for t in branches if t.hi >= SKIP_FRACTION * dear.hi] or [dear.lo]
+            # a branch that touches next to nothing skips rows that are done (a draft step
+            # when no row drafts): a live round takes the other one. Judged by the bytes it
+            # touches in any memory: on TPU S2D's no-escalation branch moves little HBM (the
+            # deeper wk/wv it reads for the K/V fill are prefetched into VMEM before the
+            # conditional) but is live.
+            touched = [computation_traffic(mod.any_space(), c, caches).hi for c in called]
+            live = [t.lo for t, b in zip(branches, touched)
+                    if b >= SKIP_FRACTION * max(touched)] or [dear.lo]
             out.add(Traffic(min(live), dear.hi, dear.ops, dear.guessed_loops))
         elif ins.opcode == "call":
             for c in called:
@@ -288,4 +313,9 @@ def round_traffic(hlo: str, cache_shapes) -> Traffic:
     """Per-device bytes one round of the compiled generation's decode loop moves;
     `cache_shapes`: the per-device (L, B, K, S, H) of each model's K/V cache."""
     mod = Module(hlo)
-    return computation_traffic(mod, decode_loop_body(mod.comps), cache_shapes)
+    body = decode_loop_body(mod.comps)
+    out = computation_traffic(mod, body, cache_shapes)
+    carried = next((i.type for i in mod.instrs[body] if i.opcode == "parameter"), "")
+    out.on_chip = sum(nbytes(dt, dims) for dt, dims, space in arrays_of(carried)
+                      if space != 0 and dims)
+    return out

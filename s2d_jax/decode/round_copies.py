@@ -23,7 +23,8 @@ import dataclasses
 import re
 
 from s2d_jax.decode.hlo_copies import _callees, decode_loop_body
-from s2d_jax.decode.hlo_traffic import Module, loop_trips, type_bytes
+from s2d_jax.decode.hlo_module import Module, type_bytes
+from s2d_jax.decode.hlo_traffic import loop_trips
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")

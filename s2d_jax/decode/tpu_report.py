@@ -1,18 +1,17 @@
 """The TPU program's per-round report (`infer.aot --topology ... --roofline`): for AR, SD
 (deepest exit) and S2D, compiled by the TPU compiler for compile-only devices, the copies a
-round runs by what they move (round_copies.py), the TPU compiler's own estimate of one round
-(round_cost.py) beside the roofline bound and Lemma 3.1's speedup from both.
-
-The bound is the bytes any round must move (roofline.minimum_round_bytes: every weight and
-the whole cache once per call) over the chip's datasheet bandwidth. hlo_traffic.py's walk
-is not used on the TPU program: built on XLA:CPU's HLO, it misreads the TPU's (its fusions
-take whole weight stacks and cache buffers as operands; it summed 1198 GiB for an SD round
-of the 70B target whose minimum is 18.9 GiB), so the TPU's own bytes here are the
-compiler's cost analysis of the one-round program."""
+round runs by what they move (round_copies.py), and one round's time three ways: the TPU
+compiler's own estimate (round_cost.py), the HBM bytes the compiled round loop moves
+(hlo_traffic.py's walk of the TPU program: arrays in on-chip memory cost none, the bytes
+the loop keeps in VMEM are shown beside) over the chip's datasheet bandwidth, and the
+roofline bound (roofline.minimum_round_bytes: every weight and the whole cache once per
+call, over the same bandwidth); Lemma 3.1's speedup from each, at the measured acceptance
+and at the S2D paper's (`--paper-acceptance`: the paper's figure could not be retrieved
+here, so none is built in)."""
 
 from __future__ import annotations
 
-from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_copy_list
+from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_bytes, round_copy_list
 from s2d_jax.decode.methods import BASELINE, PAPER_METHODS, proposer
 from s2d_jax.decode.roofline import expected_tokens, lemma_speedup, minimum_round_bytes
 from s2d_jax.decode.round_copies import summary
@@ -31,8 +30,29 @@ def copy_line(method: str, copies) -> str:
             f"moves {s['memory space'][0]} ({s['memory space'][1] / GIB:.3f} GiB)")
 
 
+def acceptance_columns(measured, paper: float | None) -> dict:
+    """Column label -> acceptance (None: not known) for Lemma 3.1's columns."""
+    cols = {f"acceptance {a:g}": a for a in measured}
+    cols["paper's" + ("" if paper is None else f" {paper:g}")] = paper
+    return cols
+
+
+def _lemma_cell(costs, setups, method, a) -> str:
+    """Speedup over AR at acceptance `a`: from the compiler's times / the walk's bytes /
+    the bounds (S2D: its dearest round, every step escalating)."""
+    if a is None:
+        return "n/a"
+    n = expected_tokens(a, setups[method].spec.gamma)
+    ar, c = costs[BASELINE], costs[method]
+    parts = [f"{lemma_speedup(ar['seconds'], c['seconds'], n):.2f}x"
+             if ar["seconds"] and c["seconds"] else "n/a",
+             f"{lemma_speedup(ar['walk'].hi, c['walk'].hi, n):.2f}x",
+             f"{lemma_speedup(ar['minimum'][1], c['minimum'][1], n):.2f}x"]
+    return " / ".join(parts)
+
+
 def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device: str,
-                    acceptances) -> list[str]:
+                    acceptances, paper_acceptance: float | None = None) -> list[str]:
     """`setups`: method -> GenerateSetup (bf16 as the TPU runs it); `compiled_first`:
     (method, its already compiled generation) to reuse."""
     copies, costs = {}, {}
@@ -44,39 +64,44 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
         cfgs = [setup.target_cfg, setup.draft_cfg]
         copies[method] = round_copy_list(compiled.as_text(), cfgs, setup.batch,
                                          setup.spec.max_len, mesh)
+        walk = round_bytes(compiled, setup, mesh)
         del compiled
         if mesh.devices.flat[0].platform == "tpu":
             one, seconds = compile_round(setup, mesh)
             cost = {**round_cost(one), "compile": seconds}
         else:  # XLA:GPU's cost analysis has no time estimate: skip the one-round compile
             cost = {"seconds": None, "bytes": None, "flops": None, "compile": 0.0}
-        costs[method] = {**cost, "minimum": minimum_round_bytes(setup, mesh)}
+        costs[method] = {**cost, "minimum": minimum_round_bytes(setup, mesh), "walk": walk}
     lines = ["  copies per round of the decode loop, by what they move (the accelerator's "
              "program; memory-space moves are prefetches to on-chip memory, not copies in HBM):"]
     lines += [copy_line(m, copies[m]) for m in setups]
     lines.append(f"  one round: the TPU compiler's estimate (cost analysis of a one-round "
-                 f"program, layers unrolled, the whole cache read) beside the roofline bound "
-                 f"(minimum bytes / {bandwidth / 1e12:.3g} TB/s, {device}; a LOWER BOUND):")
+                 f"program, layers unrolled, the whole cache read), the HBM bytes of the "
+                 f"compiled round loop (HLO walk) and the roofline bound (minimum bytes), "
+                 f"both over {bandwidth / 1e12:.3g} TB/s ({device}; the bound is a LOWER BOUND):")
     for method, c in costs.items():
         est = "n/a" if c["seconds"] is None else f"{1e3 * c['seconds']:.3f} ms"
         lo, hi = (1e3 * b / bandwidth for b in c["minimum"])
         bound = f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}..{hi:.3f}"
-        lines.append(f"    {method:<6} compiler {est:>10}   bound {bound} ms   (compiler's bytes "
-                     f"{(c['bytes'] or 0) / GIB:.3f} GiB, minimum "
+        w = c["walk"]
+        wlo, whi = 1e3 * w.lo / bandwidth, 1e3 * w.hi / bandwidth
+        walk = f"{wlo:.3f}" if abs(whi - wlo) < 5e-4 else f"{wlo:.3f}..{whi:.3f}"
+        lines.append(f"    {method:<6} compiler {est:>10}   walk {walk} ms   bound {bound} ms   "
+                     f"(bytes: compiler's {(c['bytes'] or 0) / GIB:.3f} GiB, walk's "
+                     f"{w.hi / GIB:.3f} GiB + {w.on_chip / GIB:.3f} GiB kept in VMEM, minimum "
                      f"{c['minimum'][1] / GIB:.3f} GiB; flops {(c['flops'] or 0) / 1e9:.1f} G; "
                      f"one-round compile {c['compile']:.1f} s)")
-    ar = costs.get(BASELINE, {}).get("seconds")
-    for a in acceptances if ar else ():
-        parts = []
-        for method, c in costs.items():
-            g = setups[method].spec.gamma
-            if proposer(method).proposes and c["seconds"]:
-                n = expected_tokens(a, g)
-                bound = lemma_speedup(costs[BASELINE]["minimum"][1], c["minimum"][1], n)
-                parts.append(f"{method} {lemma_speedup(ar, c['seconds'], n):.2f}x "
-                             f"(bound's {bound:.2f}x)")
-        lines.append(f"    Lemma 3.1 speedup at acceptance {a:g} from the compiler's round "
-                     f"times (and from the bounds, deepest exit): {', '.join(parts) or 'n/a'}")
+    if BASELINE in costs and len(costs) > 1:
+        cols = acceptance_columns(acceptances, paper_acceptance)
+        lines.append("  Lemma 3.1 speedup over AR, from the compiler's round times / the walk's "
+                     "bytes / the bounds (S2D: every step escalating):")
+        lines.append("    " + " " * 8 + "".join(f"{label:<30}" for label in cols))
+        for method in (m for m in costs if m != BASELINE):
+            lines.append(f"    {method:<8}" + "".join(
+                f"{_lemma_cell(costs, setups, method, a):<30}" for a in cols.values()))
+        if paper_acceptance is None:
+            lines.append("    (the paper's acceptance: not in this repository; pass "
+                         "--paper-acceptance A)")
     return lines
 
 
