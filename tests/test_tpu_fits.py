@@ -67,8 +67,8 @@ def test_kept_rows_render_without_compiling(tmp_path):
     (state / "rows.json").write_text(json.dumps(rows))
     out = tmp_path / "fits.md"
     # every row kept: no compile (this environment has no libtpu to compile with)
-    assert tpu_fits.main(["--out", str(out), "--targets", "vicuna-7b", "--chips", "v5e",
-                          "--batch", "1", "--acceptance", "0.25",
+    assert tpu_fits.main(["--out-file", str(out), "--models", "vicuna-7b", "--chips", "v5e",
+                          "--batch-sizes", "1", "--acceptance", "0.25",
                           "--paper-acceptance", "0.6"]) == 0
     lines = out.read_text().splitlines()
     assert "Lemma 3.1 speedup at acceptance 0.25" in lines[0]
@@ -89,12 +89,12 @@ def test_a_paper_column_without_the_paper_figure_says_so(tmp_path):
     state.mkdir()
     rows = {r["key"]: r for r in (_record("ar", 1, state), _record("sd", 2, state))}
     (state / "rows.json").write_text(json.dumps(rows))
-    assert tpu_fits.main(["--out", str(tmp_path / "t.md"), "--targets", "vicuna-7b",
-                          "--chips", "v5e", "--methods", "ar,sd", "--batch", "1"]) == 0
+    assert tpu_fits.main(["--out-file", str(tmp_path / "t.md"), "--models", "vicuna-7b",
+                          "--chips", "v5e", "--methods", "ar,sd", "--batch-sizes", "1"]) == 0
     sd = (tmp_path / "t.md").read_text().splitlines()[3].split("|")[1:-1]
     assert sd[-1].strip() == "n/a"
     # --kept-only: the rows kept so far (the whole default grid asked, two rows kept)
-    assert tpu_fits.main(["--out", str(tmp_path / "k.md"), "--state", str(state),
+    assert tpu_fits.main(["--out-file", str(tmp_path / "k.md"), "--state", str(state),
                           "--kept-only"]) == 0
     assert len((tmp_path / "k.md").read_text().splitlines()) == 2 + 2
 
@@ -104,9 +104,9 @@ def test_bad_state_and_rates_are_one_line_errors(tmp_path, capsys):
     state.mkdir()
     (state / "rows.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:
-        tpu_fits.main(["--out", str(tmp_path / "fits.md")])
+        tpu_fits.main(["--out-file", str(tmp_path / "fits.md")])
     assert e.value.code != 0
     assert "rows.json" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        tpu_fits.main(["--out", str(tmp_path / "x.md"), "--paper-acceptance", "1.5"])
+        tpu_fits.main(["--out-file", str(tmp_path / "x.md"), "--paper-acceptance", "1.5"])
     assert e.value.code != 0 and "rates in [0, 1)" in capsys.readouterr().err
