@@ -66,7 +66,8 @@ def parse_args(argv):
         if not os.path.isfile(path):
             raise S2DError(f"{path} does not exist; check the path")
     if args.commit:
-        git(args.corpus, "rev-parse", "--show-toplevel")  # a clear error outside a repo
+        # a clear error outside a repository (the corpus folder may not exist yet)
+        git(os.path.dirname(os.path.abspath(args.corpus)), "rev-parse", "--show-toplevel")
     return args
 
 
