@@ -246,4 +246,4 @@ def data_slice(corpus: str, records: list[dict]) -> dict:
     """What a training run read: the corpus, its shards (file, sha256) and token counts."""
     return {"corpus": corpus, "shards": [{"file": r["file"], "sha256": r["sha256"]}
                                          for r in records],
-            **{k: v for k, v in totals(records).items() if k != "bytes"}}
+            **{k: v for k, v in totals(records).items() if k not in ("bytes", "shards")}}
