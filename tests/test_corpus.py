@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from s2d_jax.data import corpus
+from s2d_jax.env import smollm2_dir
 from s2d_jax.errors import S2DError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,3 +163,97 @@ def test_warm_start_refuses_another_shape(tmp_path):
                       **{"model.init_from": os.path.join(ROOT, "models", "smollm2-draft")})
     with pytest.raises(S2DError, match="model.init_from .* another shape"):
         train(tc, progress=False, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random target (demo tokenizer) and five prompts."""
+    from s2d_jax.io.hf import export_hf
+    from s2d_jax.model import transformer as model
+    d = tmp_path_factory.mktemp("gen")
+    cfg = model.ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
+                            num_layers=3, num_heads=4, num_kv_heads=2,
+                            max_position_embeddings=256)
+    export_hf(jax.device_get(model.init_params(cfg, jax.random.key(3), std=0.3)), cfg,
+              str(d / "target"), tokenizer_dir=os.path.join(ROOT, "models", "demo", "target-l"))
+    qs = ["Name a prime number.", "Write a haiku about snow.", "What is two plus two?",
+          "Tell me about rivers.", "Count to three."]
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in qs))
+    return d
+
+
+def git(cwd, *argv):
+    import subprocess
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv],
+                          cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.slow  # ~2 min on the loaded 2-core CPU (generation and training compile)
+def test_generation_commits_whole_shards_and_a_clone_trains_from_them(tiny, tmp_path):
+    from train import corpus_generate
+    from s2d_jax.train.loop import train
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    git(repo, "config", "user.name", "t")
+    git(repo, "config", "user.email", "t@t")
+    argv = ["--target", str(tiny / "target"), "--name", "tiny", "--corpus",
+            str(repo / "data" / "c"), "--work", str(tmp_path / "work"), "--run", "r0",
+            "--prompts", str(tiny / "prompts.jsonl"), "--batch-size", "2",
+            "--max-new-tokens", "5", "--heldout",
+            os.path.join(ROOT, "data", "demo_calibration.jsonl"), "--commit"]
+    corpus_generate.main(argv + ["--max-shards", "2"])
+    log = git(repo, "log", "--format=%s").splitlines()
+    assert len(log) == 3 and log[-1].startswith("corpus: run r0 planned (5 prompts)")
+    assert all(line.startswith("corpus: shard r0-0000") for line in log[:2])
+    assert not git(repo, "status", "--porcelain")  # every written file is committed
+    m = corpus.verify(str(repo / "data" / "c"))
+    assert m["totals"]["shards"] == 2 and m["totals"]["rows"] == 8  # 2 prompts x 2 temps
+    # the run resumes from the repository alone: its last shard, nothing rewritten
+    shutil.rmtree(tmp_path / "work")
+    corpus_generate.main(argv)
+    assert len(git(repo, "log", "--format=%s").splitlines()) == 4
+    m = corpus.verify(str(repo / "data" / "c"))
+    assert [s["rows"] for s in m["shards"]] == [4, 4, 2]
+    # a fresh clone verifies the checksums and trains without generating
+    git(tmp_path, "clone", "-q", str(repo), "clone")
+    clone = tmp_path / "clone" / "data" / "c"
+    assert corpus.verify(str(clone))["totals"] == m["totals"]
+    tc = train_config(tmp_path, clone, tmp_path / "ckpt",
+                      **{"model.path": str(tiny / "target"),
+                         "data.tokenizer": str(tiny / "target")})
+    out = train(tc, progress=False, devices=jax.devices()[:1])
+    assert len(out["history"]) == 2 and np.isfinite(out["history"][-1]["loss"])
+
+
+def test_generation_refuses_bad_input(tiny, tmp_path, capsys):
+    from tiny_models import cli_error
+    from train import corpus_generate
+    base = ["--target", str(tiny / "target"), "--work", str(tmp_path / "w"), "--prompts",
+            str(tiny / "prompts.jsonl")]
+    assert "--batch-size must be >= 1" in cli_error(corpus_generate.main, capsys, base + [
+        "--corpus", str(tmp_path / "c"), "--batch-size", "0"])
+    assert "not a git repository" in cli_error(corpus_generate.main, capsys, base + [
+        "--corpus", str(tmp_path / "c"), "--commit"])
+
+
+SMOLLM2 = smollm2_dir()
+COMMITTED = os.path.join("data", "smollm2_corpus")
+
+
+@pytest.mark.slow  # a shallow clone of the repository and two SoFT steps of SmolLM2
+@pytest.mark.skipif(not os.path.isdir(SMOLLM2), reason="needs python -m infer.fetch_smollm2")
+def test_a_fresh_clone_verifies_the_committed_corpus_and_trains_from_it(tmp_path):
+    from s2d_jax.train.config import load_train_config
+    from s2d_jax.train.loop import train
+    branch = git(ROOT, "rev-parse", "--abbrev-ref", "HEAD").strip()
+    git(tmp_path, "clone", "-q", "--depth", "1", "--branch", branch, f"file://{ROOT}", "clone")
+    clone = tmp_path / "clone" / COMMITTED
+    m = corpus.verify(str(clone))  # every committed file against its sha256
+    assert m["totals"]["answer_tokens"] > 0 and m["target"]["vocab_size"] == 49152
+    tc = load_train_config(os.path.join(ROOT, "configs", "train", "smollm2_draft.yaml"), [
+        f"model.path={SMOLLM2}", f"data.tokenizer={SMOLLM2}", f"data.paths=[{clone}]",
+        "data.format=corpus", "data.corpus_shards=1", "draft.exits=[1,2]", "data.seq_len=64",
+        "data.batch_size=2", "optimizer.total_steps=2", "log_every=1"])
+    out = train(tc, progress=False, devices=jax.devices()[:1])
+    assert len(out["history"]) == 2 and np.isfinite(out["history"][-1]["loss"])

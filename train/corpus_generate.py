@@ -67,7 +67,10 @@ def parse_args(argv):
             raise S2DError(f"{path} does not exist; check the path")
     if args.commit:
         # a clear error outside a repository (the corpus folder may not exist yet)
-        git(os.path.dirname(os.path.abspath(args.corpus)), "rev-parse", "--show-toplevel")
+        where = os.path.abspath(args.corpus)
+        while not os.path.isdir(where):
+            where = os.path.dirname(where)
+        git(where, "rev-parse", "--show-toplevel")
     return args
 
 
@@ -79,7 +82,7 @@ def git(cwd: str, *argv: str) -> str:
         raise S2DError(f"cannot run git ({e}); install git or drop --commit") from None
     if out.returncode:
         raise S2DError(f"git {' '.join(argv[:2])} failed in {cwd}: "
-                       f"{(out.stderr or out.stdout).strip().splitlines()[-1:]}; fix the "
+                       f"{' '.join((out.stderr or out.stdout).split())[:200]}; fix the "
                        f"repository or drop --commit")
     return out.stdout
 
