@@ -168,14 +168,9 @@ def test_warm_start_refuses_another_shape(tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random target (demo tokenizer) and five prompts."""
-    from s2d_jax.io.hf import export_hf
-    from s2d_jax.model import transformer as model
+    from tiny_models import tiny_target
     d = tmp_path_factory.mktemp("gen")
-    cfg = model.ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
-                            num_layers=3, num_heads=4, num_kv_heads=2,
-                            max_position_embeddings=256)
-    export_hf(jax.device_get(model.init_params(cfg, jax.random.key(3), std=0.3)), cfg,
-              str(d / "target"), tokenizer_dir=os.path.join(ROOT, "models", "demo", "target-l"))
+    tiny_target(str(d / "target"))
     qs = ["Name a prime number.", "Write a haiku about snow.", "What is two plus two?",
           "Tell me about rivers.", "Count to three."]
     (d / "prompts.jsonl").write_text("".join(json.dumps({"question": q}) + "\n" for q in qs))

@@ -206,6 +206,11 @@ def pack(args, draft_hf: str, log) -> None:
     save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
                     target_name=os.path.basename(os.path.normpath(args.target)),
                     weights="int8", overwrite=args.overwrite)
+    from s2d_jax.train.loop import RECIPE
+    recipe = os.path.join(draft_hf, RECIPE)
+    if os.path.isfile(recipe):  # the run's settings and data slice travel with the pack
+        import shutil
+        shutil.copyfile(recipe, os.path.join(args.out, RECIPE))
     log(f"[pack] wrote {args.out}: the first {cfg.num_layers} layers, exits {kept}")
 
 
