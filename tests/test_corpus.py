@@ -112,11 +112,58 @@ def train_config(tmp_path, corpus_dir, ckpt, **extra):
     over = [f"model.path={DEMO_TARGET}", f"data.tokenizer={DEMO_TARGET}",
             f"data.paths=[{corpus_dir}]", "data.format=corpus", "data.seq_len=32",
             "data.batch_size=2", "optimizer.total_steps=2", "optimizer.warmup_steps=0",
+            "optimizer.lr=1e-12",  # a step moves nothing measurable: params stay checkable
             "log_every=1", f"checkpoint.dir={ckpt}", f"export_dir={tmp_path / 'hf'}",
             "export_overwrite=true", *[f"{k}={v}" for k, v in extra.items()]]
     return load_train_config(os.path.join(ROOT, "configs", "train", "demo_draft.yaml"), over)
 
 
+def test_the_pipeline_reads_a_corpus_slice_and_the_plan_records_it(tmp_path):
+    from types import SimpleNamespace
+
+    from s2d_jax.data.pipeline import DataConfig, make_iterator
+    from s2d_jax.train.checkpoint import run_plan
+    tok = SimpleNamespace(vocab_size=2048)  # token rows need only the vocabulary's size
+    make_corpus(tmp_path / "c")
+    cfg = DataConfig(paths=(str(tmp_path / "c"),), format="corpus", corpus_shards=2,
+                     seq_len=32, batch_size=2, tokenizer=DEMO_TARGET)
+    it = make_iterator(cfg, tok, 0, 1)
+    batch = next(it)
+    assert batch["inputs"].shape == (2, 32) and batch["loss_mask"].sum() > 0
+    (slice_,) = it.stats["data_slice"]
+    assert [s["file"] for s in slice_["shards"]] == ["r0-00000.npz", "r0-00001.npz"]
+    assert slice_["rows"] == it.stats["rows"] == 12
+    tc = train_config(tmp_path, tmp_path / "c", tmp_path / "ckpt")
+    plan = run_plan(tc, it.stats["data_slice"])
+    assert plan["data_slice"][0]["shards"] == 2 and len(plan["data_slice"][0][
+        "shards_sha256"]) == 64
+    # a vocabulary other than the corpus's is refused
+    other = corpus.read_manifest(str(tmp_path / "c"))
+    other["target"]["vocab_size"] = 49152
+    corpus.write_manifest(str(tmp_path / "c"), other)
+    with pytest.raises(S2DError, match="49152-token vocabulary, the tokenizer has 2048"):
+        make_iterator(cfg, tok, 0, 1)
+
+
+def test_warm_start_takes_the_committed_layers_and_says_what_is_lost():
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.train.warm_start import warm_start
+    _, committed, _ = load_model(DEMO_DRAFT, dtype="float32")
+    cfg, target, _ = load_model(DEMO_TARGET, dtype="float32")  # deeper than the draft
+    said = []
+    got = warm_start(target, cfg, DEMO_DRAFT, log=said.append)
+    n = committed["layers"]["wq"].shape[0]
+    assert n < cfg.num_layers
+    np.testing.assert_array_equal(got["layers"]["wq"][:n], committed["layers"]["wq"])
+    np.testing.assert_array_equal(got["layers"]["wq"][n:], target["layers"]["wq"][n:])
+    np.testing.assert_array_equal(got["final_norm"], committed["final_norm"])
+    assert not np.allclose(committed["layers"]["wq"], target["layers"]["wq"][:n])
+    assert f"layers 1-{n} and the final norm from the committed draft" in said[0]
+    assert f"layers {n + 1}-{cfg.num_layers} from the target" in said[0]
+    assert "lost: the optimizer moments" in said[0]
+
+
+@pytest.mark.slow  # two short SoFT runs (~70 s on the loaded 2-core CPU)
 def test_training_reads_the_corpus_records_its_slice_and_warm_starts(tmp_path, capsys):
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.train.loop import RECIPE, train
@@ -135,9 +182,7 @@ def test_training_reads_the_corpus_records_its_slice_and_warm_starts(tmp_path, c
     # the machine is lost: no checkpoint dir; the run starts from the committed draft
     shutil.rmtree(ckpt)
     capsys.readouterr()
-    tc = train_config(tmp_path, tmp_path / "c", ckpt, **{"optimizer.total_steps": 1,
-                                                          "optimizer.lr": 1e-12,
-                                                          "model.init_from": DEMO_DRAFT})
+    tc = train_config(tmp_path, tmp_path / "c", ckpt, **{"model.init_from": DEMO_DRAFT})
     out = train(tc, progress=False, devices=jax.devices()[:1])
     said = capsys.readouterr().out
     assert "[warm start] no checkpoint to resume: layers 1-3" in said
@@ -145,7 +190,7 @@ def test_training_reads_the_corpus_records_its_slice_and_warm_starts(tmp_path, c
     _, committed, _ = load_model(DEMO_DRAFT, dtype="float32")
     _, target, _ = load_model(DEMO_TARGET, num_layers=3, dtype="float32")
     got = np.asarray(out["state"].params["layers"]["wq"])
-    # one step at lr 1e-12 moves nothing measurable: the params are the committed draft's
+    # two steps at lr 1e-12 move nothing measurable: the params are the committed draft's
     np.testing.assert_allclose(got, np.asarray(committed["layers"]["wq"]), atol=1e-6)
     assert not np.allclose(got, np.asarray(target["layers"]["wq"]), atol=1e-3)
     assert "warm start from" in json.loads((tmp_path / "hf" / RECIPE).read_text())["start"]
@@ -156,13 +201,12 @@ def test_training_reads_the_corpus_records_its_slice_and_warm_starts(tmp_path, c
         train(tc, progress=False, devices=jax.devices()[:1])
 
 
-def test_warm_start_refuses_another_shape(tmp_path):
-    from s2d_jax.train.loop import train
-    make_corpus(tmp_path / "c", 1)
-    tc = train_config(tmp_path, tmp_path / "c", tmp_path / "ckpt",
-                      **{"model.init_from": os.path.join(ROOT, "models", "smollm2-draft")})
-    with pytest.raises(S2DError, match="model.init_from .* another shape"):
-        train(tc, progress=False, devices=jax.devices()[:1])
+def test_warm_start_refuses_another_shape():
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.train.warm_start import warm_start
+    cfg, target, _ = load_model(DEMO_TARGET, dtype="float32")
+    with pytest.raises(S2DError, match="model.init_from .* another shape .*vocab_size 49152"):
+        warm_start(target, cfg, os.path.join(ROOT, "models", "smollm2-draft"))
 
 
 @pytest.fixture(scope="module")
@@ -221,11 +265,11 @@ def test_generation_commits_whole_shards_and_a_clone_trains_from_them(tiny, tmp_
     assert len(out["history"]) == 2 and np.isfinite(out["history"][-1]["loss"])
 
 
-def test_generation_refuses_bad_input(tiny, tmp_path, capsys):
+def test_generation_refuses_bad_input(tmp_path, capsys):
     from tiny_models import cli_error
     from train import corpus_generate
-    base = ["--target", str(tiny / "target"), "--work", str(tmp_path / "w"), "--prompts",
-            str(tiny / "prompts.jsonl")]
+    (tmp_path / "target").mkdir()  # the flags are checked before the target is read
+    base = ["--target", str(tmp_path / "target"), "--work", str(tmp_path / "w")]
     assert "--batch-size must be >= 1" in cli_error(corpus_generate.main, capsys, base + [
         "--corpus", str(tmp_path / "c"), "--batch-size", "0"])
     assert "not a git repository" in cli_error(corpus_generate.main, capsys, base + [
