@@ -86,10 +86,14 @@ def test_changed_byte_missing_file_and_totals_are_clear_errors(tmp_path):
     path.write_text(json.dumps(m))
     with pytest.raises(S2DError, match="totals disagree"):
         corpus.verify(str(tmp_path / "e"))
+    del m["shards"][0]["sha256"]
+    path.write_text(json.dumps(m))
+    with pytest.raises(S2DError, match="manifest.json is not an s2d-corpus/1 manifest"):
+        corpus.read_rows(str(tmp_path / "e"))
     with pytest.raises(S2DError, match="not a corpus"):
         corpus.verify(str(tmp_path / "nothing"))
     with pytest.raises(S2DError, match="has 3 shards, 4 asked"):
-        corpus.read_rows(str(tmp_path / "e"), 4)
+        corpus.read_rows(str(tmp_path / "c"), 4)
 
 
 def test_a_run_keeps_its_plan_and_target(tmp_path):

@@ -108,9 +108,19 @@ def read_manifest(corpus: str) -> dict:
         raise S2DError(f"{corpus} is not a corpus (no {MANIFEST}); give the corpus folder, "
                        f"e.g. data/smollm2_corpus")
     m = read_json(path, "corpus manifest")
+    record_keys = {"file": str, "sha256": str, "run": str, "index": int, "rows": int,
+                   "prompt_tokens": int, "answer_tokens": int, "bytes": int}
     if not (isinstance(m, dict) and m.get("format") == FORMAT
             and isinstance(m.get("shards"), list) and isinstance(m.get("runs"), dict)
-            and isinstance(m.get("target"), dict)):
+            and isinstance(m.get("target"), dict)
+            and isinstance(m["target"].get("vocab_size"), int)
+            and all(isinstance(r, dict) and all(isinstance(r.get(k), t)
+                                                for k, t in record_keys.items())
+                    for r in m["shards"])
+            and all(isinstance(p, dict) and isinstance(p.get("prompts"), dict)
+                    and isinstance(p["prompts"].get("file"), str)
+                    and isinstance(p["prompts"].get("sha256"), str)
+                    for p in m["runs"].values())):
         raise S2DError(f"{path} is not an {FORMAT} manifest; restore it from git "
                        f"(git checkout -- {path})")
     return m
