@@ -132,6 +132,8 @@ def run_plan(tc, data_slice=None) -> dict:
     grown or changed corpus is other data)."""
     import hashlib
     plan = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _NOT_IN_PLAN}
+    if not plan["model"]["init_from"]:  # off: the plans of runs made before it existed
+        del plan["model"]["init_from"]
     if data_slice:
         plan["data_slice"] = [
             {**{k: v for k, v in s.items() if k != "shards"}, "shards": len(s["shards"]),
