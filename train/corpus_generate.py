@@ -45,6 +45,8 @@ def parse_args(argv):
     add_input(ap, "--prompts", type=str, paths=comma_paths, default=",".join(TRAINING_FILES),
               help="comma-separated prompt files of a new run")
     ap.add_argument("--magpie", type=int, default=0, help="user turns the target writes")
+    ap.add_argument("--magpie-batch-size", type=int, default=0,
+                    help="user turns sampled per batch (0 = --batch-size)")
     ap.add_argument("--answers", type=int, default=0, help="prompts answered (0 = all)")
     ap.add_argument("--batch-size", type=int, default=ANSWER_BATCH,
                     help="prompts per shard (one generation batch per temperature)")
@@ -57,7 +59,7 @@ def parse_args(argv):
                     help="git add + commit each shard and the manifest as it completes")
     args = ap.parse_args(argv)
     args.prompts = comma_paths(args.prompts)
-    check_at_least(args, {"magpie": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
+    check_at_least(args, {"magpie": 0, "magpie_batch_size": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
                           "seed": 0, "max_shards": 0})
     if not os.path.isdir(args.target):
         raise S2DError(f"target {args.target} does not exist; fetch it with "
@@ -115,6 +117,7 @@ def run_plan(args, prompt_counts: dict) -> dict:
             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "chat_template": "the target's own",
             "prompt_source": {"files": list(args.prompts), "magpie_turns_asked": args.magpie,
+                              "magpie_batch_size": args.magpie_batch_size or args.batch_size,
                               "answers": args.answers, "heldout": args.heldout,
                               "filter": "deduplicated; no 8-gram of Spec-Bench, GSM8K test, "
                               "the calibration prompts or the held-out set",
@@ -130,7 +133,8 @@ def new_run_prompts(args, fp: str, decoder, tok, log) -> tuple[list[str], dict]:
     eval_files = tuple(dict.fromkeys((*EVAL_FILES, args.heldout)))
     with files_dir(args.work, args.s2d_prog):
         turns = (engine.magpie_stage(args.work, fp, decoder, tok, args.magpie,
-                                     args.batch_size, args.seed, log) if args.magpie else [])
+                                     args.magpie_batch_size or args.batch_size, args.seed, log)
+                 if args.magpie else [])
         pool = engine.prompts_stage(args.work, fp, args.prompts, turns, eval_files, log)
     counts = prompt_pool(args.prompts, turns, eval_files)[1]
     chosen = engine.chosen_prompts(pool, args.answers, args.batch_size, args.seed)
