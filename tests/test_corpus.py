@@ -296,7 +296,7 @@ def test_a_fresh_clone_verifies_the_committed_corpus_and_trains_from_it(tmp_path
     assert m["totals"]["answer_tokens"] > 0 and m["target"]["vocab_size"] == 49152
     tc = load_train_config(os.path.join(ROOT, "configs", "train", "smollm2_draft.yaml"), [
         f"model.path={SMOLLM2}", f"data.tokenizer={SMOLLM2}", f"data.paths=[{clone}]",
-        "data.format=corpus", "data.corpus_shards=1", "draft.exits=[1,2]", "data.seq_len=64",
+        "data.format=corpus", "data.corpus_shards=1", "draft.exits=[1,2]", "data.seq_len=256",
         "data.batch_size=2", "optimizer.total_steps=2", "log_every=1"])
     out = train(tc, progress=False, devices=jax.devices()[:1])
     assert len(out["history"]) == 2 and np.isfinite(out["history"][-1]["loss"])
