@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from s2d_jax.data import shards
-from tiny_models import cli_error
+from tiny_models import cli_error, tiny_target
 from train import data_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,16 +29,8 @@ def argv(tmp, work):
 def tmp(tmp_path_factory):
     """A tiny target (demo tokenizer, no chat template), prompts (three GSM8K-train
     questions, so their reference solutions are used too) and a small document file."""
-    import jax
-
-    from s2d_jax.io.hf import export_hf
-    from s2d_jax.model import transformer as model
     d = tmp_path_factory.mktemp("engine")
-    cfg = model.ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
-                            num_layers=3, num_heads=4, num_kv_heads=2,
-                            max_position_embeddings=256)
-    export_hf(jax.device_get(model.init_params(cfg, jax.random.key(3), std=0.3)), cfg,
-              str(d / "target"), tokenizer_dir=os.path.join(ROOT, "models", "demo", "target-l"))
+    tiny_target(str(d / "target"))
     with open(os.path.join(ROOT, "data", "gsm8k_train.jsonl")) as f:
         questions = [json.loads(next(f))["question"] for _ in range(3)]
     questions += ["Name a prime number.", "Write a haiku about snow on a quiet mountain."]

@@ -38,3 +38,21 @@ def cli_error(main, capsys, argv) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
+
+
+def tiny_target(out_dir: str, seed: int = 3) -> str:
+    """A tiny random 3-layer Llama target with the demo tokenizer (no chat template),
+    exported as an HF dir at out_dir: generation and training tests in seconds."""
+    import os
+
+    import jax
+
+    from s2d_jax.io.hf import export_hf
+    from s2d_jax.model import transformer as model
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = model.ModelConfig(vocab_size=2048, hidden_size=32, intermediate_size=64,
+                            num_layers=3, num_heads=4, num_kv_heads=2,
+                            max_position_embeddings=256)
+    export_hf(jax.device_get(model.init_params(cfg, jax.random.key(seed), std=0.3)), cfg,
+              out_dir, tokenizer_dir=os.path.join(root, "models", "demo", "target-l"))
+    return out_dir

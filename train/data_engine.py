@@ -37,15 +37,12 @@ ENGINE_KEYS = ("model.path", "data.tokenizer", "data.paths", "data.format", "dat
 
 
 def parse_args(argv):
-    from s2d_jax.data.prompt_pool import TRAINING_FILES
     ap = ArgumentParser(prog="python -m train.data_engine", description=__doc__)
     add(ap, "--target", CMD)
     add(ap, "--work", CMD, kind=DIR, required=True)
-    add_input(ap, "--prompts", type=str, paths=comma_paths, default=",".join(TRAINING_FILES),
-                    help="comma-separated prompt files (GSM8K / self-instruct / ShareGPT)")
-    ap.add_argument("--magpie", type=int, default=0, help="user turns the target writes")
-    ap.add_argument("--answers", type=int, default=0,
-                    help="prompts answered, greedy and at T = 1 (0 = all)")
+    add(ap, "--prompts", CMD, paths=comma_paths)
+    for name in ("--magpie", "--answers"):
+        add(ap, name, CMD)
     add(ap, "--batch-size", CMD)
     add(ap, "--max-new-tokens", CMD)
     add(ap, "--slots", CMD)

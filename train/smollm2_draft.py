@@ -31,7 +31,7 @@ import json
 import os
 import shlex
 
-from s2d_jax.cli.args import ArgumentParser, finite_number, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_input, finite_number, parse_ints
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import cli_main
 from s2d_jax.io.outputs import DIR, DRAFT_PACK
@@ -73,6 +73,15 @@ def parse_args(argv):
                     "read); all: every trained exit")
     ap.add_argument("--skip-calibration", action="store_true",
                     help="do not calibrate the new draft's S2D setting")
+    add_input(ap, "--train-corpus", default=None, dest="corpus",
+              help="train on a committed corpus (e.g. data/smollm2_corpus: its files "
+              "verified, nothing generated) instead of distilling answers into --work")
+    ap.add_argument("--corpus-shards", type=int, default=0,
+                    help="with --train-corpus: its first N shards (0 = all)")
+    add_input(ap, "--init-from", default=None,
+              help="with no checkpoint in --work: start from these committed draft weights "
+              "(e.g. models/smollm2-draft) rather than the target's first layers; the "
+              "optimizer moments, step count and data position are lost")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
     args.exits = parse_ints(args.train_exits, "--train-exits")
@@ -81,7 +90,10 @@ def parse_args(argv):
                  f"python -m infer.fetch_smollm2 or pass --target DIR")
     if not 0.0 <= args.kd_weight <= 1.0:
         ap.error(f"--kd-weight must lie in [0, 1], got {args.kd_weight}")
-    for name in ("distill_batches", "steps", "head_vocab"):
+    if args.corpus and args.kd_weight > 0:
+        ap.error("--kd-weight > 0 needs the teacher states of a rows file; with --corpus "
+                 "use --kd-weight 0 (the default)")
+    for name in ("distill_batches", "steps", "head_vocab", "corpus_shards"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     from s2d_jax.io.outputs import HF_DIR, Output, check_outputs
@@ -120,13 +132,17 @@ def teacher_states(args, rows: str, log) -> str:
     return write_teacher_states(args.target, rows, os.path.join(args.work, "teacher"), log=log)
 
 
-def soft(args, rows: str, log, teacher: str | None = None) -> str:
+def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
+    """SoFT on `rows` (a token-rows file), or on --corpus when rows is None."""
     from s2d_jax.data.distill import frequent_tokens
     from s2d_jax.train.config import load_train_config
     from s2d_jax.train.loop import train
 
-    over = [f"model.path={args.target}", f"data.tokenizer={args.target}",
-            f"data.paths=[{rows}]", f"draft.exits=[{','.join(map(str, args.exits))}]",
+    data = ([f"data.paths=[{rows}]"] if rows else
+            [f"data.paths=[{args.corpus}]", "data.format=corpus",
+             f"data.corpus_shards={args.corpus_shards}"])
+    over = [f"model.path={args.target}", f"data.tokenizer={args.target}", *data,
+            f"draft.exits=[{','.join(map(str, args.exits))}]",
             f"checkpoint.dir={os.path.abspath(os.path.join(args.work, 'ckpt'))}",
             f"metrics_path={os.path.join(args.work, 'metrics.jsonl')}",
             f"export_dir={draft_hf_dir(args)}", "export_overwrite=true"]
@@ -134,13 +150,20 @@ def soft(args, rows: str, log, teacher: str | None = None) -> str:
         from s2d_jax.config import read_hf_config
         vocab = read_hf_config(os.path.join(args.target, "config.json")).vocab_size
         head = os.path.join(args.work, "head_vocab.json")
+        if rows is None:
+            from s2d_jax.data import corpus
+            source = corpus.read_rows(args.corpus, args.corpus_shards)[0]
+        else:
+            source = rows
         with open(head, "w") as f:
-            json.dump(frequent_tokens(rows, args.head_vocab, vocab), f)
+            json.dump(frequent_tokens(source, args.head_vocab, vocab), f)
         over.append(f"draft.head_vocab={head}")
     if args.steps:
         over.append(f"optimizer.total_steps={args.steps}")
     if teacher:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
+    if args.init_from:
+        over.append(f"model.init_from={args.init_from}")
     tc = load_train_config(TRAIN_CONFIG, over)
     out = train(tc)
     last = out["history"][-1] if out["history"] else None
@@ -179,6 +202,11 @@ def pack(args, draft_hf: str, log) -> None:
     save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
                     target_name=os.path.basename(os.path.normpath(args.target)),
                     weights="int8", overwrite=args.overwrite)
+    from s2d_jax.train.loop import RECIPE
+    recipe = os.path.join(draft_hf, RECIPE)
+    if os.path.isfile(recipe):  # the run's settings and data slice travel with the pack
+        import shutil
+        shutil.copyfile(recipe, os.path.join(args.out, RECIPE))
     log(f"[pack] wrote {args.out}: the first {cfg.num_layers} layers, exits {kept}")
 
 
@@ -240,7 +268,7 @@ def _run(args) -> None:
     def log(msg):
         print(msg, flush=True)
 
-    rows = distill(args, log)
+    rows = None if args.corpus else distill(args, log)
     teacher = teacher_states(args, rows, log) if args.kd_weight > 0 else None
     draft_hf = soft(args, rows, log, teacher)
     pack(args, draft_hf, log)

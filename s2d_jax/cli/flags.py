@@ -19,7 +19,7 @@ import dataclasses
 
 from s2d_jax.cli import args as cli_args
 from s2d_jax.config import DTYPES
-from s2d_jax.data.prompt_pool import DOCUMENT_FILES
+from s2d_jax.data.prompt_pool import DOCUMENT_FILES, TRAINING_FILES
 from s2d_jax.data.prompts import TEMPLATES
 from s2d_jax.decode.methods import METHODS
 
@@ -83,7 +83,7 @@ FLAGS: dict[str, Flag] = {
         help=f"the target model: an HF dir, params checkpoint or .gguf, {TARGET_NAME}",
         variants={**_each("generate bench", _SEVERAL_TARGETS),
                   **_each("calibrate calibrate-lookup", _NAMED_TARGET),
-                  **_each("train-smollm2-draft data-engine scaling-study", _SMOLLM2_PIPELINE)}),
+                  **_each("train-smollm2-draft data-engine scaling-study corpus-generate", _SMOLLM2_PIPELINE)}),
     "--draft": _flag(
         "input", type=cli_args.model_arg, metavar="MODEL", default=None,
         help="the sorted draft: a draft pack or model dir, a path or a name (smollm2-draft: "
@@ -151,7 +151,7 @@ FLAGS: dict[str, Flag] = {
                             "at the end of the turn", default=256),
             "agreement": variant("teacher-forced agreement needs a few answer tokens per "
                                  "prompt, not whole answers", default=64),
-            **_each("train-smollm2-draft data-engine",
+            **_each("train-smollm2-draft data-engine corpus-generate",
                     variant("training answers must be whole answers; SmolLM2's GSM8K "
                             "answers fit in 192 tokens", default=192)),
             "bench-answers": variant("it times batched generation; short answers keep a run "
@@ -173,7 +173,11 @@ FLAGS: dict[str, Flag] = {
                                          "the fastest batch measured (train.bench_answers)",
                                          default=32),
                   "bench-step": variant("it times a training step at a typical batch",
-                                        default=4)}),
+                                        default=4),
+                  "corpus-generate": variant("a batch is a committed shard: as the data "
+                                             "engine's batch (train.bench_answers)", default=32,
+                                             help="prompts per shard (one generation batch "
+                                                  "per temperature)")}),
     "--batch-sizes": _flag(
         default="1", metavar="B,B,...", help="batch sizes, comma-separated, e.g. 1,8",
         variants={"tpu-fits": variant("its table compares single prompts with batches",
@@ -306,6 +310,12 @@ FLAGS: dict[str, Flag] = {
     "--documents": _flag(
         "input", type=str, default=",".join(DOCUMENT_FILES),
         help="comma-separated plain-text corpora, teacher-forced ('' = none)"),
+    "--prompts": _flag(
+        "input", type=str, default=",".join(TRAINING_FILES),
+        help="comma-separated prompt files (GSM8K / self-instruct / ShareGPT)"),
+    "--magpie": _flag(type=int, default=0, help="user turns the target writes (Magpie)"),
+    "--answers": _flag(type=int, default=0,
+                       help="prompts answered, greedy and at T = 1 (0 = all)"),
     "--heldout": _flag(
         "input", default="data/smollm2_calibration.jsonl",
         help="held-out questions (Spec-Bench format): kept out of training, scored"),

@@ -36,6 +36,7 @@ SUBCOMMANDS = {
     "train": ("train.soft", "SoFT training of a sorted draft from a YAML config"),
     "train-smollm2-draft": ("train.smollm2_draft", "the shipped SmolLM2 draft's pipeline"),
     "data-engine": ("train.data_engine", "the self-distillation data engine"),
+    "corpus-generate": ("train.corpus_generate", "on-policy answers into the committed corpus, a shard at a time"),
     "scaling-study": ("train.scaling_study", "the data-scaling study"),
     "train-aot": ("train.aot", "compile the training step ahead of time"),
     "bench-step": ("train.bench_step", "time the training step"),

@@ -185,17 +185,17 @@ def generate_answers(decoder, tok, prompts: list[str], out_path: str, *,
             "new_answer_tokens": tokens}
 
 
-def frequent_tokens(rows_path: str, size: int, vocab_size: int) -> list[int]:
+def frequent_tokens(rows, size: int, vocab_size: int) -> list[int]:
     """A sub-vocabulary of `size` ids for a draft's head: the target's answer tokens in
-    `rows_path` by decreasing frequency, then (to cover text the answers never showed) the
-    lowest remaining ids, which a BPE vocabulary assigns to its earliest, most frequent
-    merges. Sorted."""
+    `rows` (a token-rows .jsonl path, or the rows) by decreasing frequency, then (to cover
+    text the answers never showed) the lowest remaining ids, which a BPE vocabulary assigns
+    to its earliest, most frequent merges. Sorted."""
     from s2d_jax.data.sources import load_token_rows
 
     if not 0 < size <= vocab_size:
         raise S2DError(f"sub-vocabulary size {size} must lie in [1, {vocab_size}]")
     counts = np.zeros(vocab_size, np.int64)
-    for row in load_token_rows(rows_path, vocab_size):
+    for row in load_token_rows(rows, vocab_size) if isinstance(rows, str) else rows:
         np.add.at(counts, np.asarray(row["input_ids"][row["learn_from"]:], np.int64), 1)
     seen = np.flatnonzero(counts)
     by_freq = seen[np.argsort(-counts[seen], kind="stable")][:size].tolist()

@@ -98,16 +98,22 @@ def chosen_prompts(pool: list[str], count: int, batch_size: int, seed: int) -> l
     return [p for b in rng.permutation(len(batches)) for p in batches[b]]
 
 
+def answer_shard(decoder, tok, batch: list[str], k: int, seed: int, max_new_tokens: int
+                 ) -> list[dict]:
+    """Shard k's rows: the target's answers to `batch` at every temperature, seed
+    seed + len(temperatures) * k + j (a shard depends only on its prompts and k)."""
+    from s2d_jax.data.distill import answer_rows
+    return [row for j, t in enumerate(ANSWER_TEMPERATURES)
+            for row in answer_rows(decoder, tok, batch, temperature=t,
+                                   seed=seed + len(ANSWER_TEMPERATURES) * k + j,
+                                   max_new_tokens=max_new_tokens)]
+
+
 def answers_stage(work: str, fp: str, decoder, tok, prompts: list[str], batch_size: int,
                   max_new_tokens: int, seed: int, log) -> list[dict]:
     """The target's answers, one shard per batch of prompts, each at every temperature."""
-    from s2d_jax.data.distill import answer_rows
-
     def work_fn(batch, k):
-        return [row for j, t in enumerate(ANSWER_TEMPERATURES)
-                for row in answer_rows(decoder, tok, batch, temperature=t,
-                                       seed=seed + len(ANSWER_TEMPERATURES) * k + j,
-                                       max_new_tokens=max_new_tokens)]
+        return answer_shard(decoder, tok, batch, k, seed, max_new_tokens)
 
     out = os.path.join(work, "answers")
     shards.run_stage(out, "answers", fp, prompts, batch_size, work_fn,

@@ -33,7 +33,7 @@ from s2d_jax.data.chat import VICUNA_SYSTEM, MalformedConversation, tokenize_con
 from s2d_jax.data.teacher import TeacherStates
 from s2d_jax.errors import S2DError
 
-FORMATS = ("auto", "sharegpt", "text", "tokens")
+FORMATS = ("auto", "sharegpt", "text", "tokens", "corpus")
 FEATURES = ("inputs", "targets", "loss_mask")
 TEACHER_INDEX = "teacher_index"  # per token: its row of the teacher states (data.teacher)
 _WARN_IDS = 5  # how many skipped row ids a warning names
@@ -48,7 +48,10 @@ class DataConfig:
     paths: tuple[str, ...] = ()
     # auto | sharegpt | text | tokens (JSON lines {"input_ids": [...], "learn_from": n}:
     # ids as a model saw and produced them, loss on ids[n:], e.g. data/distill.py's rows)
+    # corpus: data.paths are committed corpus folders (s2d_jax/data/corpus.py: token rows
+    # in checksummed shards), every file verified before use
     format: str = "auto"
+    corpus_shards: int = 0  # format corpus: the first N shards of each corpus (0 = all)
     tokenizer: str = "assets/llama2_tokenizer"
     seq_len: int = 512
     batch_size: int = 8  # global batch (all hosts)
@@ -68,7 +71,8 @@ class DataConfig:
                                else tuple(self.paths))
         if self.format not in FORMATS:
             raise S2DError(f"data.format={self.format!r} is not one of {', '.join(FORMATS)}")
-        for f, lo in (("seq_len", 2), ("batch_size", 1), ("num_epochs", 0), ("worker_count", 0)):
+        for f, lo in (("seq_len", 2), ("batch_size", 1), ("num_epochs", 0), ("worker_count", 0),
+                      ("corpus_shards", 0)):
             if getattr(self, f) < lo:
                 raise S2DError(f"data.{f} must be >= {lo}, got {getattr(self, f)}")
         if self.teacher and (self.format != "tokens" or len(self.paths) != 1):
@@ -101,10 +105,26 @@ def _clipped(ids, mask, limit: int, stats: dict):
     return ids, mask
 
 
-def _token_examples(path: str, tok, limit: int, stats: dict, teacher):
-    """Examples of a token-id .jsonl (loss on ids[learn_from:]); with `teacher`, each
-    carries its row's state indices (TeacherStates checked they are this very file's)."""
-    for i, row in enumerate(data_sources.load_token_rows(path, tok.vocab_size)):
+def _corpus_rows(path: str, tok, shards: int, stats: dict) -> list[dict]:
+    """The token rows of a committed corpus's first `shards` shards, every file verified;
+    what was read goes to stats["data_slice"] (the run records it)."""
+    from s2d_jax.data import corpus
+    vocab = corpus.read_manifest(path)["target"].get("vocab_size")
+    if vocab != tok.vocab_size:
+        raise S2DError(f"corpus {path} holds ids of a {vocab}-token vocabulary, the tokenizer "
+                       f"has {tok.vocab_size}; train with the corpus's target's tokenizer")
+    rows, records = corpus.read_rows(path, shards)
+    stats.setdefault("data_slice", []).append(corpus.data_slice(path, records))
+    return rows
+
+
+def _token_examples(path: str, tok, limit: int, stats: dict, teacher, rows=None):
+    """Examples of a token-id .jsonl (loss on ids[learn_from:]), or of `rows` when given;
+    with `teacher`, each carries its row's state indices (TeacherStates checked they are
+    this very file's)."""
+    if rows is None:
+        rows = data_sources.load_token_rows(path, tok.vocab_size)
+    for i, row in enumerate(rows):
         stats["rows"] += 1
         n = row["learn_from"]
         kept = _clipped(row["input_ids"], [0] * n + [1] * (len(row["input_ids"]) - n), limit,
@@ -151,6 +171,9 @@ def _file_examples(path: str, cfg: DataConfig, tok, stats: dict, skipped: list, 
     limit = cfg.seq_len + 1  # tokens per example: seq_len inputs plus the last target
     if cfg.format == "tokens":
         return _token_examples(path, tok, limit, stats, teacher)
+    if cfg.format == "corpus":
+        return _token_examples(path, tok, limit, stats, None,
+                               _corpus_rows(path, tok, cfg.corpus_shards, stats))
     if data_sources.file_format(path, cfg.format) == "text":
         return _text_examples(path, tok, cfg.seq_len, stats)
     return _chat_examples(path, tok, cfg.system_prompt or VICUNA_SYSTEM, limit, stats, skipped)

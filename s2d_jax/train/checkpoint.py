@@ -125,9 +125,21 @@ _NOT_IN_PLAN = ("checkpoint", "metrics_path", "log_every", "export_dir", "export
                 "stop_after_step", "mesh")
 
 
-def run_plan(tc) -> dict:
-    """Every setting of a training run that changes its steps' results, as JSON."""
+def run_plan(tc, data_slice=None) -> dict:
+    """Every setting of a training run that changes its steps' results, as JSON; with the
+    slice of a committed corpus it reads (pipeline's stats["data_slice"]) summarised as
+    each corpus's shard count, token counts and one sha256 over its shards' sha256s (a
+    grown or changed corpus is other data)."""
+    import hashlib
     plan = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _NOT_IN_PLAN}
+    if not plan["model"]["init_from"]:  # off: the plans of runs made before it existed
+        del plan["model"]["init_from"]
+    if data_slice:
+        plan["data_slice"] = [
+            {**{k: v for k, v in s.items() if k != "shards"}, "shards": len(s["shards"]),
+             "shards_sha256": hashlib.sha256("".join(
+                 f"{x['file']}:{x['sha256']}\n" for x in s["shards"]).encode()).hexdigest()}
+            for s in data_slice]
     return json.loads(json.dumps(plan))
 
 

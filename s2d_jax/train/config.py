@@ -27,6 +27,10 @@ class ModelSection:
 
     path: str = ""
     overrides: tuple[str, ...] = ()
+    # With no checkpoint to resume: start from these committed draft weights (a draft pack
+    # such as models/smollm2-draft, or an HF draft dir) rather than the target's first
+    # layers; what they do not hold is lost (s2d_jax/train/warm_start.py). "" = off.
+    init_from: str = ""
     dtype: str = ""  # compute dtype
     param_dtype: str = ""  # dtype of the trained (master) params
 

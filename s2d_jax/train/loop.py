@@ -209,7 +209,11 @@ def restore_or_init(run: PreparedRun, manager):
                                     getattr(run.iterator, "state_per_process", True))
                 if manager else None)
     if restored is None:
-        return run.init_fn(initial_params(run.cfg, run.source, run.mesh, run.tc.seed)), 0
+        params = initial_params(run.cfg, run.source, run.mesh, run.tc.seed)
+        if run.tc.model.init_from:  # the checkpoint is gone: the last committed draft
+            from s2d_jax.train.warm_start import warm_start
+            params = warm_start(params, run.cfg, run.tc.model.init_from)
+        return run.init_fn(params), 0
     state, data_state, start = restored
     run.iterator.set_state(data_state)
     return state, start
@@ -259,9 +263,10 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
     # Only now (all input checked) touch the checkpoint dir.
     manager = ckpt.make_manager(tc.checkpoint.dir, tc.checkpoint.keep_last,
                                 tc.checkpoint.async_save) if tc.checkpoint.dir else None
+    data_slice = getattr(run.iterator, "stats", {}).get("data_slice")
+    plan = ckpt.run_plan(tc, data_slice)
     if manager:
-        ckpt.check_run_plan(tc.checkpoint.dir, ckpt.run_plan(tc),
-                            manager.latest_step() is not None)
+        ckpt.check_run_plan(tc.checkpoint.dir, plan, manager.latest_step() is not None)
     state, start = restore_or_init(run, manager)
     bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
     hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]
@@ -273,8 +278,28 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
         close_all(hooks)
     if tc.export_dir:
         export_draft(tc, run.cfg, run.exits, state.params, run.head_ids)
+        if jax.process_index() == 0:
+            write_recipe(tc.export_dir, plan, data_slice, start, int(state.step))
     return {"state": state, "history": history, "cfg": run.cfg, "exits": run.exits,
             "start_step": start}
+
+
+RECIPE = "s2d_recipe.json"
+
+
+def write_recipe(export_dir: str, plan: dict, data_slice, start: int, step: int) -> None:
+    """The exported draft's recipe beside its weights: the run's settings, the data it
+    read (a corpus's shard files and sha256s, token counts) and how it started."""
+    import json
+
+    from s2d_jax.io.atomic import write_atomic
+    tc = plan.get("model", {})
+    begun = (f"resumed from its checkpoint at step {start}" if start else
+             f"warm start from {tc.get('init_from')}" if tc.get("init_from") else
+             f"initialised from {tc.get('path')}")
+    write_atomic(os.path.join(export_dir, RECIPE), json.dumps(
+        {"plan": plan, "data_slice": data_slice, "start": begun, "steps": step},
+        indent=1) + "\n")
 
 
 def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None) -> None:

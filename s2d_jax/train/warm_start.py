@@ -1,0 +1,73 @@
+"""A training run that survives a lost machine: with no checkpoint to resume (its
+checkpoint.dir gone with the machine's disk), the draft starts from the last committed
+draft weights (`model.init_from`: a draft pack such as models/smollm2-draft, or an HF
+draft dir) instead of the target's first layers.
+
+What the committed weights do not hold is lost, and the run says so: the optimizer's
+moments (Adam m and v, restarted at zero), the step count (the learning-rate schedule
+restarts with its warmup) and the data position (the data order restarts); a pack's int8
+layers come back dequantized, not as the float32 weights that were trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from s2d_jax.config import ModelConfig
+from s2d_jax.errors import S2DError
+
+LOST = ("the optimizer moments (Adam m, v: restarted at zero), the step count (the "
+        "learning-rate schedule restarts with its warmup) and the data position")
+
+
+def committed_weights(path: str) -> tuple[ModelConfig, dict, str]:
+    """(cfg, {"layers": stacked [P, ...] arrays, "final_norm"}, how they are stored) of a
+    draft pack or an HF / orbax draft dir: the draft's own weights, not the target's."""
+    from s2d_jax.io import draft_pack
+    from s2d_jax.io.checkpoint import checkpoint_kind, load_model
+    if checkpoint_kind(path) == "draft-pack":
+        cfg, _, sidecar = draft_pack.read_pack_config(path)
+        own = draft_pack._pack_layers(path, cfg)
+        return cfg, own, f"draft pack, {sidecar.get('weights', 'float')} weights"
+    cfg, params, _ = load_model(path, dtype="float32")
+    return cfg, {"layers": jax.device_get(params["layers"]),
+                 "final_norm": jax.device_get(params["final_norm"])}, "float32 weights"
+
+
+def _same_shape(a: ModelConfig, b: ModelConfig) -> bool:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+            "head_dim")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def warm_start(params: dict, cfg: ModelConfig, path: str, log=print) -> dict:
+    """`params` (the draft initialised from its target) with its first layers and final
+    norm replaced by the committed draft's at `path`; the deeper layers a deeper draft
+    adds keep the target's weights. Logs what is kept and what is lost."""
+    saved_cfg, own, how = committed_weights(path)
+    if not _same_shape(saved_cfg, cfg):
+        diff = next(k for k, v in dataclasses.asdict(saved_cfg).items()
+                    if k != "num_layers" and getattr(cfg, k, v) != v)
+        raise S2DError(f"model.init_from {path} is a draft of another shape ({diff} "
+                       f"{getattr(saved_cfg, diff)}, this draft has {getattr(cfg, diff)}); "
+                       f"give a draft of this target, or drop model.init_from")
+    n = min(saved_cfg.num_layers, cfg.num_layers)
+    layers = {}
+    for name, w in params["layers"].items():
+        new = np.asarray(own["layers"][name][:n], np.float32)
+        merged = jnp.concatenate([jnp.asarray(new, w.dtype), w[n:]]) if n < w.shape[0] \
+            else jnp.asarray(new, w.dtype)
+        layers[name] = jax.device_put(merged, w.sharding)
+    norm = params["final_norm"]
+    out = {**params, "layers": layers,
+           "final_norm": jax.device_put(jnp.asarray(own["final_norm"], norm.dtype),
+                                        norm.sharding)}
+    log(f"[warm start] no checkpoint to resume: layers 1-{n} and the final norm from the "
+        f"committed draft {path} ({how})"
+        + (f", layers {n + 1}-{cfg.num_layers} from the target" if n < cfg.num_layers else "")
+        + f"; lost: {LOST}")
+    return out
