@@ -193,8 +193,11 @@ class TextStream:
         self.tok, self.emit, self.printed = tok, emit, ""
 
     def __call__(self, state) -> None:
-        lo, hi = int(state.prompt_len[0]), int(state.length[0])
-        self.show(self.tok.decode(state.tokens[0, lo:hi].tolist()))
+        import jax  # this module loads before JAX starts (the CLIs' checks)
+        # one transfer of row 0, sliced on the host: slicing the device array at [lo:hi]
+        # compiled a new slice program for every new length (every chunk)
+        tokens, lo, hi = jax.device_get((state.tokens[0], state.prompt_len[0], state.length[0]))
+        self.show(self.tok.decode(tokens[int(lo):int(hi)].tolist()))
 
     def show(self, text: str) -> None:
         # a piece ending inside a multi-byte character decodes differently once complete:
