@@ -98,6 +98,9 @@ def turns_from(script: list[str] | None):
             return
         except KeyboardInterrupt:
             if interrupted:  # a second Ctrl-C in a row at the prompt
+                # the chat ends: one more press must not cut short writing --out-file
+                import signal
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
                 print()
                 return
             interrupted = True

@@ -86,6 +86,8 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     if not isinstance(prompt, (str, list, tuple)):
         raise S2DError(f"prompt must be a string, a list of chat messages or a list of "
                        f"prompts, got {type(prompt).__name__}")
+    from s2d_jax import validate
+    validate.switch(stream, "stream")
     many = is_prompt_list(prompt)
     if many or stop is not None or stream:
         if top_k:
@@ -94,7 +96,7 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
         out = generate_batch(list(prompt) if many else [prompt], target, draft,
                              method=method, chat_template=chat_template,
                              max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_p=top_p, seed=seed, stop=stop or (), stream=stream,
+                             top_p=top_p, seed=seed, stop=() if stop is None else stop, stream=stream,
                              gamma=gamma, thresholds=thresholds, exit=exit, exits=exits,
                              dtype=dtype)
         return out if many or stream else out[0]

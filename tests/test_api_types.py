@@ -63,6 +63,9 @@ WRONG = {
                          st.lists(st.one_of(st.integers(), st.floats()), min_size=1,
                                   max_size=2)),
     "bool": st.one_of(st.integers(), st.text(max_size=3), st.none()),
+    "stop": st.one_of(st.integers(), st.booleans(), st.just(""), st.just([""]),
+                      st.lists(st.integers(), min_size=1, max_size=2),
+                      st.lists(st.text(min_size=1, max_size=3), min_size=5, max_size=6)),
     "devices?": st.one_of(st.text(min_size=1, max_size=3), st.integers()),
     "prompt": st.one_of(st.integers(), st.floats(), st.none(), st.booleans(),
                         st.dictionaries(st.text(max_size=2), st.text(max_size=2), max_size=1)),
@@ -99,6 +102,7 @@ KINDS = {
     "target_params": "opaque", "draft_params": "opaque", "shardings": "opaque",
     "target_tokenizer": "opaque", "draft_tokenizer": "opaque", "mesh": "opaque",
     "intermediates": "opaque", "ngram": "ints>=1", "lookup_len": "int>=0",
+    "stop": "stop", "stream": "bool",
     "setting": "opaque",  # a DecodeSetting (serving_config.resolve's), checked when made
 }
 # the same name, another meaning in one place

@@ -73,7 +73,7 @@ def generate_batch(prompts: list, target, draft=None, *, method="s2d", chat_temp
     validate.switch(stream, "stream")
     validate.integer(slots, "slots", 1)
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    stop=tuple([stop] if isinstance(stop, str) else (stop or ())))
+                    stop=[stop] if isinstance(stop, str) else stop)  # Request checks it
     Request((1,), seed=seed, **settings)  # every setting checked before anything loads
     engine, ids = _engine(prompts, target, draft, method, chat_template, max_new_tokens,
                           load_kw, slots)
