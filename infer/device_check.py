@@ -36,7 +36,7 @@ import time
 from s2d_jax.cli.args import ArgumentParser, finite_number, parse_targets
 from s2d_jax.cli.flags import add
 from s2d_jax.env import smollm2_dir
-from s2d_jax.decode.methods import CALIBRATED, DEFAULT_GAMMA, PAPER_METHODS, has
+from s2d_jax.decode.methods import CALIBRATED, DEFAULT_GAMMA, PAPER_METHODS, has, methods_where
 from s2d_jax.errors import S2DError, cli_main
 
 CMD = "device-check"  # its s2d subcommand: the name its shared flags are defined for
@@ -61,6 +61,14 @@ def _parse(argv):
                    help="the paper's reported mean accepted tokens per target shape, for "
                         "prediction (ii)")
     p.add_argument("--samples", type=int, default=3, help="timed trials per probe")
+    p.add_argument("--family", choices=("smollm2", "demo"), default="smollm2",
+                   help="(a)'s models: SmolLM2 (fetched first) or the shipped demo family's "
+                        "largest target and its draft, for a machine the SmolLM2 weights "
+                        "cannot reach (no network, or a 64 MiB transfer); --allow-cpu on a CPU "
+                        "always runs the demo family, tiny")
+    p.add_argument("--windows", type=int, default=None, metavar="N",
+                   help=f"(b) times verify windows 1..N (default {WINDOWS[False]}; "
+                        f"{WINDOWS[True]} with --allow-cpu on a CPU); at least gamma + 1")
     p.add_argument("--train-minutes", type=finite_number, default=None, metavar="N",
                    help="also train the SmolLM2 sorted draft for N minutes, logging its "
                         "held-out agreement (c)")
@@ -189,12 +197,16 @@ def check_smollm2(args, res: Results, tiny: bool) -> None:
     from s2d_jax.bench.report import markdown_table
     from s2d_jax.io.atomic import write_atomic
     out = os.path.join(args.out, "smollm2")
-    if tiny:
-        target, draft = "models/demo/target-s", "models/demo/draft"
+    if tiny or args.family == "demo":
+        target, draft = "models/demo/target-s" if tiny else "models/demo/target-l", "models/demo/draft"
         # SD at the deepest exit only: the CPU compiles each method's decode loop in 3-9 s
         run = dict(questions="data/demo_questions.jsonl", max_prompts=1, max_new_tokens=16,
                    template="none", kinds=list(PAPER_METHODS), temps=[0.0], cost_every=1,
                    sd_exits="deepest")
+        if not tiny:  # the demo family on an accelerator: every question, every method
+            run.update(max_prompts=40, max_new_tokens=64, temps=[0.0, 1.0], cost_every=8,
+                       sd_exits="each", kinds=[*PAPER_METHODS, PAPER_METHODS[-1] + CALIBRATED,
+                                               *methods_where(lookup=True)])
     else:
         if not os.path.isdir(smollm2_dir()):
             raise S2DError(f"{smollm2_dir()} is missing; run python -m infer.fetch_smollm2 first")
@@ -267,7 +279,7 @@ def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
     for name, cfg in cfgs.items():
         params = _random_params(cfg, 0, tiny)
         entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s}
-        for w in range(1, WINDOWS[tiny] + 1):
+        for w in range(1, (args.windows or WINDOWS[tiny]) + 1):
             probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len)
             for _ in range(args.samples):
                 probe.sample()
@@ -319,6 +331,9 @@ def main(argv=None):
     paper_mat = _paper_mat(args.paper_mat) if args.paper_mat else {}
     if args.samples < 1:
         raise S2DError(f"--samples must be >= 1, got {args.samples}")
+    if args.windows is not None and args.windows < max(GAMMA.values()) + 1:
+        raise S2DError(f"--windows must be >= {max(GAMMA.values()) + 1} (gamma + 1: the "
+                       f"prediction's verify window), got {args.windows}")
     if args.train_minutes is not None and not args.train_minutes > 0:
         raise S2DError(f"--train-minutes must be > 0, got {args.train_minutes}")
     import jax

@@ -107,6 +107,11 @@ def resolve_model(spec: str) -> str:
     return MODEL_NAMES[spec]()
 
 
+def small_matmul_forced() -> bool:
+    """S2D_SMALL_MATMUL set on: the CPU kernels on any CPU, not only where they pay."""
+    return "S2D_SMALL_MATMUL" in os.environ and small_matmul_enabled()
+
+
 def small_matmul_enabled() -> bool:
     raw = os.environ.get("S2D_SMALL_MATMUL")
     if raw is None:

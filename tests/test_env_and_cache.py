@@ -95,12 +95,41 @@ def test_a_truncated_kernel_library_is_rebuilt_not_loaded(tmp_path):
                         f"done\ncp {real} \"$out\"\n")
     fake_cxx.chmod(0o755)
     code = ("from s2d_jax.model import small_matmul as m; import jax.numpy as jnp;"
-            "import s2d_jax.model.small_matmul as sm; print(m.status());"
+            "import s2d_jax.model.small_matmul as sm; print(m.built());"
             "x = jnp.ones((2, 8)); w = jnp.ones((8, 16));"
             "print(float(sm.matmul(x, w, 'kn', 1).sum()))")
     r = _run([sys.executable, "-c", code], {"S2D_JAX_CACHE": str(cache), "CXX": str(fake_cxx),
                                              "JAX_PLATFORMS": "cpu"}, REPO)
     assert r.returncode == 0, r.stderr[-2000:]  # no SIGBUS (-7)
     assert "does not match its checksum" in r.stderr and "rebuilding" in r.stderr
-    assert r.stdout.split() == ["small-matmul", "kernel", "256.0"], r.stdout
+    assert r.stdout.split() == ["True", "256.0"], r.stdout
     assert os.path.getsize(kernels / name) == os.path.getsize(real)
+
+
+@pytest.mark.parametrize("flags,value,default_on", [({"avx2", "fma"}, None, False),
+                                                    ({"avx2", "avx512f"}, None, True),
+                                                    ({"avx2", "fma"}, "1", True),
+                                                    ({"avx2", "avx512f"}, "0", False)])
+def test_the_cpu_kernels_are_the_default_only_where_they_pay(monkeypatch, flags, value, default_on):
+    """Unset, S2D_SMALL_MATMUL leaves the decode path on XLA's dots on a CPU without AVX-512
+    (the kernels measured slower there); set on, it forces them; set off, never."""
+    from s2d_jax.model import small_matmul
+    monkeypatch.setattr(small_matmul, "cpu_flags", lambda: set(flags))
+    if value is None:
+        monkeypatch.delenv("S2D_SMALL_MATMUL", raising=False)
+    else:
+        monkeypatch.setenv("S2D_SMALL_MATMUL", value)
+    small_matmul.preferred.cache_clear()
+    small_matmul._load.cache_clear()
+    try:
+        reason = small_matmul.preferred()
+        assert (reason is None) == (default_on or value == "0"), reason
+        if small_matmul.built() and value != "0":
+            assert small_matmul.usable(2) is default_on
+            with small_matmul.forced():
+                assert small_matmul.usable(2)
+        if value == "0":
+            assert not small_matmul.usable(2) and not small_matmul.built()
+    finally:
+        small_matmul.preferred.cache_clear()
+        small_matmul._load.cache_clear()

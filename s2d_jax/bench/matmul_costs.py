@@ -14,7 +14,6 @@ Ratios are to the same path's M = 1.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
@@ -63,8 +62,8 @@ def _head_fn(cfg: ModelConfig):
 
 
 def _compile(fn, kernel: bool, *args):
-    """fn jitted and compiled with the kernel (where usable) or with XLA's dots."""
-    with contextlib.nullcontext() if kernel else small_matmul.disabled():
+    """fn jitted and compiled with the kernel (on any CPU it is built on) or with XLA's dots."""
+    with small_matmul.forced() if kernel else small_matmul.disabled():
         return jax.jit(fn).lower(*args).compile()
 
 
@@ -75,7 +74,7 @@ def probes(params: dict, cfg: ModelConfig, rows: list[int], max_len: int, positi
     for m in rows:
         for path in PATHS:
             # the kernel where it can be built (else both rows time XLA's dots)
-            kernel = path == "kernel" and small_matmul.usable(m)
+            kernel = path == "kernel" and small_matmul.built() and m <= small_matmul.MAX_ROWS
             for name, eq in PROJECTIONS.items():
                 stack = params["layers"][name]
                 lead = 2 if name == "wo" else 1

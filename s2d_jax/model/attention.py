@@ -83,8 +83,12 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     carry = body(0, init) if C == S else jax.lax.fori_loop(0, n_blocks, body, init)
     if new_kv is not None:  # key t' as slot positions[t'] (dropped past the cache's end)
         kn, vn = (jnp.einsum("BTKH->BKTH", x.astype(q.dtype)) for x in new_kv)
+        # a position given twice holds the later key, as the cache write (and the CPU
+        # kernel's patch) leaves it: a catch-up window pads its rows by repeating one
+        same = positions[:, :, None] == positions[:, None, :]  # [B, T key, T later key]
+        last = ~jnp.any(same & jnp.triu(jnp.ones((T, T), bool), 1)[None], axis=2)
         ok = ((positions[:, None, :] <= positions[:, :, None])
-              & (positions[:, None, :] < S))  # [B, T query, T key]
+              & (positions[:, None, :] < S) & last[:, None, :])  # [B, T query, T key]
         carry = _softmax_step(carry, q, kn, vn, ok)
     _, norm, acc = carry
     out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0

@@ -14,6 +14,13 @@ It is built on first use with the system C++ compiler into `$S2D_JAX_CACHE/kerne
 (default ~/.cache/s2d-jax), keyed by the source, jaxlib and the CPU. Without a compiler
 (or with S2D_SMALL_MATMUL=0, or on a backend other than a single CPU device) the model
 keeps XLA's dots; `status()` says which path is in use and why.
+
+By default the decode path takes the kernels only on a CPU with AVX-512: their register
+tiles (64 columns x 4 rows, 16 accumulators of 16 lanes) were sized for its 32 vector
+registers. On an AVX2 AMD EPYC (Zen 3, 16 registers of 8 lanes) the same build measured
+slower than XLA's dots at every row count (SmolLM2 step 71.8 vs 40.9 ms at 1 row, 183 vs
+54 at 2: `python -m infer.matmul_bench`, docs/results.md). S2D_SMALL_MATMUL=1 forces the
+kernels on any CPU; `forced()` does for one trace (tests, the matmul benchmark).
 """
 
 from __future__ import annotations
@@ -167,26 +174,46 @@ def _load() -> str | None:
     return None
 
 
+def built() -> bool:
+    """Whether the kernels are built and registered (whether or not the decode path takes
+    them by default on this CPU)."""
+    return jax.default_backend() == "cpu" and _load() is None
+
+
 def status() -> str:
     """Which matmul a CPU decode step uses, in words."""
     if jax.default_backend() != "cpu":
         return f"XLA dots (backend {jax.default_backend()})"
     reason = _load()
+    if reason is None and _choice[-1] is not True:
+        reason = preferred()
     return "small-matmul kernel" if reason is None else f"XLA dots (kernel {reason})"
 
 
-_disabled = [False]
+# The innermost choice of the traces under way: None = the default (`preferred()`),
+# False = XLA's dots (`disabled()`), True = the kernels wherever they can run (`forced()`).
+_choice: list[bool | None] = [None]
 
 
 @contextlib.contextmanager
-def disabled():
-    """Functions traced inside use XLA's dots (the benchmark's side-by-side baseline; the
-    choice is made when a function is traced, so jit it anew inside)."""
-    _disabled.append(True)
+def _choose(value: bool):
+    _choice.append(value)
     try:
         yield
     finally:
-        _disabled.pop()
+        _choice.pop()
+
+
+def disabled():
+    """Functions traced inside use XLA's dots (the benchmark's side-by-side baseline; the
+    choice is made when a function is traced, so jit it anew inside)."""
+    return _choose(False)
+
+
+def forced():
+    """Functions traced inside use the kernels wherever they can run, on any CPU (the
+    kernels' tests, the matmul benchmark's kernel path)."""
+    return _choose(True)
 
 
 def for_mesh(mesh):
@@ -201,10 +228,34 @@ def for_mesh(mesh):
 
 def usable(rows: int) -> bool:
     """Whether a decode-path projection of `rows` rows runs on the kernel: the CPU backend,
-    few rows, a built kernel, and not traced under `disabled()` / a multi-device `for_mesh`."""
-    if _disabled[-1] or rows > MAX_ROWS or jax.default_backend() != "cpu":
+    few rows, a built kernel, not traced under `disabled()` / a multi-device `for_mesh`,
+    and a CPU it pays on (`preferred()`) unless forced."""
+    choice = _choice[-1]
+    if choice is False or rows > MAX_ROWS or jax.default_backend() != "cpu":
         return False
-    return _load() is None
+    return _load() is None and (choice is True or preferred() is None)
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+@functools.lru_cache(maxsize=1)
+def preferred() -> str | None:
+    """None when the decode path should take the kernels on this CPU by default, else why
+    not: they pay where AVX-512 holds their tiles (see the module's docstring)."""
+    from s2d_jax.env import small_matmul_forced
+    if small_matmul_forced():
+        return None
+    if "avx512f" not in cpu_flags():
+        return ("off: this CPU has no AVX-512, where the kernels measured slower than XLA's dots; "
+                "S2D_SMALL_MATMUL=1 forces them")
+    return None
 
 
 def _per_channel_int8(w) -> bool:
