@@ -66,6 +66,9 @@ def _parse(argv):
                         "largest target and its draft, for a machine the SmolLM2 weights "
                         "cannot reach (no network, or a 64 MiB transfer); --allow-cpu on a CPU "
                         "always runs the demo family, tiny")
+    p.add_argument("--parts", default="a,b", metavar="a,b",
+                   help="which of (a) the benchmark and (b) the shaped call costs to run, in "
+                        "the order given (b,a: the call costs first, for a short lease)")
     p.add_argument("--windows", type=int, default=None, metavar="N",
                    help=f"(b) times verify windows 1..N (default {WINDOWS[False]}; "
                         f"{WINDOWS[True]} with --allow-cpu on a CPU); at least gamma + 1")
@@ -331,6 +334,11 @@ def main(argv=None):
     paper_mat = _paper_mat(args.paper_mat) if args.paper_mat else {}
     if args.samples < 1:
         raise S2DError(f"--samples must be >= 1, got {args.samples}")
+    args.parts = [x.strip() for x in args.parts.split(",")]
+    if not args.parts or any(x not in ("a", "b") for x in args.parts) \
+            or len(set(args.parts)) != len(args.parts):
+        raise S2DError(f"--parts must list a and/or b once each (e.g. a,b or b,a), got "
+                       f"{','.join(args.parts)!r}")
     if args.windows is not None and args.windows < max(GAMMA.values()) + 1:
         raise S2DError(f"--windows must be >= {max(GAMMA.values()) + 1} (gamma + 1: the "
                        f"prediction's verify window), got {args.windows}")
@@ -354,10 +362,12 @@ def _run(args, device: str, tiny: bool, paper_mat: dict) -> int:
     res = Results(args.out, device)
     res.save()
     t0 = time.perf_counter()
-    check_smollm2(args, res, tiny)
-    print(f"(a) done after {time.perf_counter() - t0:.0f} s", flush=True)
-    check_shapes(args, res, tiny, paper_mat)
-    print(f"(b) done after {time.perf_counter() - t0:.0f} s", flush=True)
+    for part in args.parts:
+        if part == "a":
+            check_smollm2(args, res, tiny)
+        else:
+            check_shapes(args, res, tiny, paper_mat)
+        print(f"({part}) done after {time.perf_counter() - t0:.0f} s", flush=True)
     if args.train_minutes:
         check_training(args, res, tiny)
         print(f"(c) done after {time.perf_counter() - t0:.0f} s", flush=True)
