@@ -60,3 +60,14 @@ def test_allow_cpu_runs_the_tiny_check_and_writes_the_report(tmp_path):
     assert len(train["log"]) >= 2 and train["log"][-1]["loss"] is not None
     assert all(0 <= a <= 1 for r in train["log"] for a in r["agreement"].values())
     assert "## (c) SoFT of the sorted draft" in report
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--parts", "b,c"], "--parts must list a and/or b once each"),
+    (["--parts", "a,a"], "--parts must list a and/or b once each"),
+    (["--windows", "3"], "--windows must be >= 5"),
+])
+def test_refuses_bad_parts_and_windows(tmp_path, capsys, flags, message):
+    err = cli_error(main, capsys, ["--out", str(tmp_path / "dc"), "--allow-cpu", *flags])
+    assert err.startswith(f"error: {message}"), err
+    assert not (tmp_path / "dc").exists()
