@@ -300,3 +300,49 @@ def test_a_fresh_clone_verifies_the_committed_corpus_and_trains_from_it(tmp_path
         "data.batch_size=2", "optimizer.total_steps=2", "log_every=1"])
     out = train(tc, progress=False, devices=jax.devices()[:1])
     assert len(out["history"]) == 2 and np.isfinite(out["history"][-1]["loss"])
+
+
+def test_prompts_with_line_separators_round_trip(tmp_path):
+    # real Magpie turns hold U+2028, form feeds and the like: a prompt is one JSON line
+    prompts = ["a\u2028b", "c\x0cd\x1ce", "f\u0085g\nh", "\r\n"]
+    corpus.start_run(str(tmp_path / "c"), TARGET, "r0", {"seed": 0}, prompts)
+    assert corpus.read_prompts(str(tmp_path / "c"), "r0") == prompts
+
+
+def test_shards_streamed_on_slots_are_the_batched_shards_greedy(tiny):
+    """The slot engine's shards hold the batched decoder's greedy rows, row for row, a
+    prompt too long for the slots is answered by the batched decoder, and the shards of a
+    stream complete whole."""
+    from s2d_jax.data.distill import prompts_from_file
+    from s2d_jax.data.engine import answer_shard
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
+    from s2d_jax.server.corpus_answers import stream_shards
+    from s2d_jax.decode.serving import Decoder
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.server.slots import SlotEngine
+
+    cfg, params, _ = load_model(str(tiny / "target"))
+    tok = load_tokenizer(str(tiny / "target"))
+    decoder = Decoder(cfg, params, method="ar")
+    prompts = prompts_from_file(str(tiny / "prompts.jsonl"))
+    template, _ = resolve_template(tok, "auto")
+    lengths = sorted(len(prompt_ids(tok, template, [p])) for p in prompts)
+    new = 6
+    assert lengths[-1] > lengths[-2]  # so the longest prompt takes the batched path
+    # slots that hold all but the longest prompt with its answer
+    engine = SlotEngine(decoder, tok, slots=3, max_len=lengths[-2] + new,
+                        eos_id=end_of_turn_id(tok, template))
+    shards = [(0, prompts[:2]), (1, prompts[2:])]
+    got = {}
+    stream_shards(engine, decoder, tok, shards, seed=0, max_new_tokens=new,
+                  on_shard=lambda k, rows: got.setdefault(k, rows))
+    assert sorted(got) == [0, 1]
+    for k, batch in shards:
+        want = answer_shard(decoder, tok, batch, k, 0, new)
+        assert [(r["prompt"], r["temperature"]) for r in got[k]] == \
+            [(r["prompt"], r["temperature"]) for r in want]
+        greedy = [(a["input_ids"], b["input_ids"]) for a, b in zip(got[k], want)
+                  if a["temperature"] == 0.0]
+        assert len(greedy) == len(batch) and all(a == b for a, b in greedy)
+        assert all(len(r["input_ids"]) > r["learn_from"] for r in got[k])

@@ -1,5 +1,6 @@
 """Grow the committed corpus (s2d_jax/data/corpus.py): the target answers prompts on-policy
-(greedy and T = 1) with the engine's batched AR decoder, and every completed shard is
+(greedy and T = 1) on the slot engine (--slots; 0: the engine's batched AR decoder, a
+batch per shard), and every completed shard is
 written into the corpus folder with the manifest updated atomically; with --commit each
 shard is also committed to git at once, so a lost machine loses at most the shard in
 progress. Rerun the same command (on any machine, from a clone) to continue the run.
@@ -23,7 +24,7 @@ import time
 from s2d_jax.cli.args import ArgumentParser, add_output, check_at_least, comma_paths
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
-from s2d_jax.io.outputs import CACHE
+from s2d_jax.io.outputs import CACHE, DIR
 
 CMD = "corpus-generate"  # its s2d subcommand: the name its shared flags are defined for
 
@@ -35,22 +36,30 @@ def parse_args(argv):
                     help="the target's name, as the manifest records it")
     add_output(ap, "--corpus", kind=CACHE, required=True,
                help="the corpus folder (e.g. data/smollm2_corpus); created if missing")
-    add(ap, "--work", CMD, required=True)  # a new run's Magpie and prompt stages
+    add(ap, "--work", CMD, kind=DIR, required=True)  # a new run's Magpie and prompt stages
     ap.add_argument("--run", default="run0", help="the run's name in the corpus")
     add(ap, "--prompts", CMD, paths=comma_paths)  # of a new run
     add(ap, "--magpie", CMD)
     ap.add_argument("--magpie-batch-size", type=int, default=0,
                     help="user turns sampled per batch (0 = --batch-size)")
-    for name in ("--answers", "--batch-size", "--max-new-tokens", "--heldout", "--seed"):
+    for name in ("--answers", "--batch-size", "--max-new-tokens", "--heldout", "--seed",
+                 "--slots", "--slot-len"):
         add(ap, name, CMD)
     ap.add_argument("--max-shards", type=int, default=0,
                     help="stop after this many new shards (0 = run to the end)")
     ap.add_argument("--commit", action="store_true",
-                    help="git add + commit each shard and the manifest as it completes")
+                    help="git add + commit the shards and the manifest as they complete")
+    ap.add_argument("--commit-every", type=int, default=1, metavar="SHARDS",
+                    help="with --commit: one commit per this many completed shards (and one "
+                         "for the rest at the end, or when the run stops on an error)")
     args = ap.parse_args(argv)
     args.prompts = comma_paths(args.prompts)
     check_at_least(args, {"magpie": 0, "magpie_batch_size": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
-                          "seed": 0, "max_shards": 0})
+                          "seed": 0, "max_shards": 0, "slots": 0,
+                          "commit_every": 1})
+    if args.slot_len is not None and args.slot_len <= args.max_new_tokens:
+        raise S2DError(f"--slot-len {args.slot_len} leaves no room for a prompt before "
+                       f"--max-new-tokens {args.max_new_tokens}; pass a larger --slot-len")
     if not os.path.isdir(args.target):
         raise S2DError(f"target {args.target} does not exist; fetch it with "
                        f"python -m infer.fetch_smollm2 or pass --target DIR")
@@ -102,7 +111,7 @@ def target_record(args, fp: str, vocab_size: int) -> dict:
 def run_plan(args, prompt_counts: dict) -> dict:
     """The run's settings as the manifest keeps them (a resume with others is refused)."""
     from s2d_jax.data.engine import ANSWER_TEMPERATURES
-    return {"engine": "s2d_jax.decode.serving.Decoder(method='ar'), float32, batched",
+    return {"engine": "the target's AR decode, float32 (each shard's record names its engine)",
             "temperatures": list(ANSWER_TEMPERATURES), "batch_size": args.batch_size,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed,
             "chat_template": "the target's own",
@@ -131,8 +140,28 @@ def new_run_prompts(args, fp: str, decoder, tok, log) -> tuple[list[str], dict]:
     return chosen, {"magpie_turns_kept": len(turns), "pool": counts, "chosen": len(chosen)}
 
 
+def answer_engine(args, decoder, tok, prompts: list[str]):
+    """(the slot engine answering `prompts`, its description): slots of --slot-len tokens,
+    or by default the 99.9th-percentile prompt and its answer (longer ones go to the
+    batched decoder: server/corpus_answers.py)."""
+    import numpy as np
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
+    from s2d_jax.decode.defaults import BUFFER_BUCKET, round_up
+    from s2d_jax.server.slots import SlotEngine
+    template, _ = resolve_template(tok, "auto")
+    max_len = args.slot_len
+    if max_len is None:
+        long = float(np.percentile([len(prompt_ids(tok, template, [p])) for p in prompts], 99.9))
+        max_len = round_up(int(long) + args.max_new_tokens, BUFFER_BUCKET)
+    max_len = min(max_len, decoder.context)
+    engine = SlotEngine(decoder, tok, slots=args.slots, max_len=max_len,
+                        eos_id=end_of_turn_id(tok, template))
+    return engine, f"slot engine, {args.slots} slots of {max_len} tokens"
+
+
 def generate(args, log) -> dict:
     from s2d_jax.data import corpus, engine
+    from s2d_jax.server.corpus_answers import stream_shards
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
@@ -165,23 +194,48 @@ def generate(args, log) -> dict:
     log(f"[corpus] run {args.run}: {len(corpus.done_shards(manifest, args.run))} shards done, "
         f"{len(todo)} to write")
     tokens, start = 0, time.perf_counter()
-    for k in todo:
-        t0 = time.perf_counter()
-        batch = prompts[k * size:(k + 1) * size]
-        rows = engine.answer_shard(decoder, tok, batch, k, args.seed, args.max_new_tokens)
+    last = [start]
+
+    def write(k, rows, engine_name):
+        nonlocal tokens
         for row in rows:
-            row["prompt_index"] = k * size + batch.index(row["prompt"])
-        rec = corpus.add_shard(args.corpus, manifest, args.run, k, rows)
-        dt = time.perf_counter() - t0
+            row["prompt_index"] = k * size + prompts[k * size:(k + 1) * size].index(row["prompt"])
+        rec = corpus.add_shard(args.corpus, manifest, args.run, k, rows, engine=engine_name)
+        now = time.perf_counter()
+        dt, last[0] = now - last[0], now
         tokens += rec["answer_tokens"]
         total = manifest["totals"]
         msg = (f"shard {rec['file']}: {rec['rows']} rows, {rec['answer_tokens']} answer "
-               f"tokens in {dt:.0f} s ({rec['answer_tokens'] / dt:.1f} tokens/s; run so far "
-               f"{tokens / (time.perf_counter() - start):.1f} tokens/s); corpus "
-               f"{total['answer_tokens']} answer tokens, {total['bytes'] / 1e6:.2f} MB")
-        if args.commit:
-            commit_files(args.corpus, [rec["file"], corpus.MANIFEST], f"corpus: {msg}")
-        log(f"[corpus] {msg}" + (" (committed)" if args.commit else ""))
+               f"tokens in {dt:.0f} s (run so far {tokens / (now - start):.1f} tokens/s); "
+               f"corpus {total['answer_tokens']} answer tokens, {total['bytes'] / 1e6:.2f} MB")
+        uncommitted.append(rec["file"])
+        if args.commit and len(uncommitted) >= args.commit_every:
+            commit(msg)
+        log(f"[corpus] {msg}" + ("" if uncommitted else " (committed)"))
+
+    uncommitted: list[str] = []
+
+    def commit(msg):
+        if args.commit and uncommitted:
+            n = len(uncommitted)
+            commit_files(args.corpus, uncommitted + [corpus.MANIFEST],
+                         f"corpus: {msg}" if n == 1 else f"corpus: {n} shards, last {msg}")
+        uncommitted.clear()
+
+    batches = [(k, prompts[k * size:(k + 1) * size]) for k in todo]
+    try:
+        if args.slots and batches:
+            slots_engine, name = answer_engine(args, decoder, tok,
+                                               [p for _, b in batches for p in b])
+            log(f"[corpus] answering on the {name}")
+            stream_shards(slots_engine, decoder, tok, batches, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens,
+                          on_shard=lambda k, rows: write(k, rows, name))
+        for k, batch in ([] if args.slots else batches):
+            write(k, engine.answer_shard(decoder, tok, batch, k, args.seed, args.max_new_tokens),
+                  f"batched Decoder, {len(batch)} prompts a batch")
+    finally:  # whole shards already written are kept in git even when the run stops
+        commit(f"{manifest['totals']['answer_tokens']} answer tokens in the corpus")
     return manifest["totals"]
 
 

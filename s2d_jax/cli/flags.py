@@ -330,9 +330,20 @@ FLAGS: dict[str, Flag] = {
                                          help="answer each batch on the slot engine with "
                                               "this many slots, a finished answer's slot "
                                               "going to the next prompt (0 = the batch "
-                                              "decoded as one)")}),
+                                              "decoded as one)"),
+                  "corpus-generate": variant("its shards stream through the slot engine; 64 "
+                                             "slots measured fastest (train.bench_answers)",
+                                             default=64,
+                                             help="answer on the slot engine with this many "
+                                                  "slots, shards streaming through it (0 = "
+                                                  "each shard's batch decoded as one)")}),
     "--slot-len": _flag(type=int, default=None, metavar="TOKENS",
-                        help="tokens per slot, prompt + answer (default: the models' context)"),
+                        help="tokens per slot, prompt + answer (default: the models' context)",
+                        variants={"corpus-generate": variant(
+                            "a slot holds a typical prompt and its answer", default=None,
+                            help="tokens per slot, prompt + answer (default: the 99.9th "
+                                 "percentile prompt + --max-new-tokens; a longer prompt is "
+                                 "answered by the batched decoder)")}),
     "--chunk-rounds": _flag(type=int, default=4,
                             help="rounds per jitted chunk: a finished request's slot is "
                                  "refilled between chunks"),

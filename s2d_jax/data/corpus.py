@@ -162,14 +162,17 @@ def start_run(corpus: str, target: dict, run: str, plan: dict, prompts: list[str
     return manifest
 
 
-def add_shard(corpus: str, manifest: dict, run: str, k: int, rows: list[dict]) -> dict:
+def add_shard(corpus: str, manifest: dict, run: str, k: int, rows: list[dict],
+              engine: str | None = None) -> dict:
     """Write shard k of `run` (its file first, then the manifest, each atomically: a kill
-    at any point leaves whole shards); -> its record."""
+    at any point leaves whole shards); -> its record, which names the `engine` that
+    answered it when given (a run's shards may come from different engines)."""
     data = shard_bytes(rows, manifest["target"]["vocab_size"])
     name = shard_file(run, k)
     write_atomic(os.path.join(corpus, name), data)
     record = {"file": name, "run": run, "index": k, **_counts(rows), "bytes": len(data),
-              "sha256": hashlib.sha256(data).hexdigest()}
+              "sha256": hashlib.sha256(data).hexdigest(),
+              **({"engine": engine} if engine else {})}
     manifest["shards"] = [s for s in manifest["shards"] if s["file"] != name] + [record]
     write_manifest(corpus, manifest)
     return record
@@ -249,7 +252,10 @@ def read_prompts(corpus: str, run: str) -> list[str]:
         raise S2DError(f"{corpus} has no run {run}; its runs: {', '.join(manifest['runs'])}")
     path = verify_file(corpus, manifest["runs"][run]["prompts"])
     with open(path, "rb") as f:
-        return [json.loads(line) for line in lzma.decompress(f.read()).decode().splitlines()]
+        text = lzma.decompress(f.read()).decode()
+    # "\n" only: json escapes it inside a prompt, but not U+2028 and the other separators
+    # str.splitlines would also cut at
+    return [json.loads(line) for line in text.split("\n") if line]
 
 
 def data_slice(corpus: str, records: list[dict]) -> dict:

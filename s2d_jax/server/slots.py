@@ -113,7 +113,7 @@ class SlotEngine:
         self.waiting: collections.deque[Job] = collections.deque()
         self.jobs: list[Job | None] = [None] * slots
         self._empty_args = self._prefill_args(
-            np.ones((slots, PROMPT_BUCKET), np.int32), np.ones(slots, np.int32),
+            np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32),
             self._request_dp(Request((1,))), seed)
         self.state = self._empty
 
