@@ -1,11 +1,16 @@
-"""Answer-generation throughput of a target against batch size: the data engine's default
-batch (data-engine's --batch-size, s2d_jax/cli/flags.py) is the fastest measured here.
+"""Answer-generation throughput of a target beside its teacher-forced forward, in one
+process: the batched decoder per batch size, the slot engine per slot count, then the data
+engine's teacher pass (data/teacher.states_fn) over the same prompt + answer rows.
 
     python -m train.bench_answers --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \
-        --batch-sizes 8,16,32 --max-new-tokens 32
+        --batch-sizes 8,32 --slot-counts 32,64 --requests 64 --max-new-tokens 64
 
-Each batch size answers the same GSM8K-train prompts greedily, once to compile and once
-timed; prints answer tokens/s per batch size.
+Every run answers GSM8K-train prompts greedily, once to compile and once timed. A batch
+size answers that many prompts as one batch; a slot count answers --requests prompts
+through that many slots. Printed per run: answer tokens/s, its ratio to the teacher-forced
+rate (tokens/s of the states pass over the run's own rows), and the cost ratio on the same
+rows (the teacher pass's seconds over generation's: a generation costing exactly a forward
+over its rows would score 1; answer tok/s can then reach at most answers / row tokens).
 """
 
 from __future__ import annotations
@@ -19,16 +24,31 @@ from s2d_jax.errors import S2DError, cli_main
 CMD = "bench-answers"  # its s2d subcommand: the name its shared flags are defined for
 
 
-def throughput(decoder, tok, prompts, batch_size: int, max_new_tokens: int) -> float:
-    """Answer tokens per second of one batch of `batch_size` prompts (after a compile run)."""
-    from s2d_jax.data.distill import answer_rows
-    batch = prompts[:batch_size]
-    answer_rows(decoder, tok, batch, temperature=0.0, seed=0, max_new_tokens=max_new_tokens)
+def timed(fn):
+    """(fn()'s value, seconds) of a second call (the first compiles)."""
+    fn()
     start = time.perf_counter()
-    rows = answer_rows(decoder, tok, batch, temperature=0.0, seed=0,
-                       max_new_tokens=max_new_tokens)
-    seconds = time.perf_counter() - start
-    return sum(len(r["input_ids"]) - r["learn_from"] for r in rows) / seconds
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def teacher_rate(cfg, params, rows: list[list[int]]) -> float:
+    """Tokens/s of the teacher stage's states pass over `rows` (after a compile pass)."""
+    from s2d_jax.data.teacher import rows_states, states_fn
+    states = states_fn(cfg)
+    _, seconds = timed(lambda: rows_states(states, params, rows, cfg.hidden_size))
+    return sum(len(r) - 1 for r in rows) / seconds
+
+
+def report(label: str, prompts_ids, answers, seconds: float, cfg, params) -> str:
+    rows = [list(p) + list(a) for p, a in zip(prompts_ids, answers)]
+    new = sum(len(a) for a in answers)
+    rate, tf = new / seconds, teacher_rate(cfg, params, rows)
+    row_tokens = sum(len(r) - 1 for r in rows)
+    return (f"{label}: {rate:.1f} answer tokens/s ({len(rows)} answers, {new} tokens); "
+            f"teacher-forced {tf:.1f} tokens/s on the same rows; answer rate / teacher-forced "
+            f"{rate / tf:.2f} (at most {new / row_tokens:.2f} for these rows); cost ratio "
+            f"{row_tokens / tf / seconds:.2f}")
 
 
 @cli_main
@@ -36,22 +56,48 @@ def main(argv=None):
     ap = ArgumentParser(prog="python -m train.bench_answers", description=__doc__)
     add(ap, "--target", CMD, required=True)
     add(ap, "--batch-sizes", CMD)
+    ap.add_argument("--slot-counts", default="64", metavar="S,S,...",
+                    help="slot engine sizes to time, comma-separated ('' = none)")
+    ap.add_argument("--requests", type=int, default=64,
+                    help="prompts each slot engine answers (more than its slots: a finished "
+                         "answer's slot goes to the next prompt)")
     add(ap, "--max-new-tokens", CMD)
     args = ap.parse_args(argv)
-    sizes = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
-    if args.max_new_tokens < 1:
-        raise S2DError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sizes = parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes.strip() else []
+    slot_counts = parse_ints(args.slot_counts, "--slot-counts") \
+        if args.slot_counts.strip() else []
+    if min(sizes + slot_counts, default=1) < 1 or not sizes + slot_counts:
+        raise S2DError("--batch-sizes and --slot-counts take counts >= 1, at least one in all")
+    for flag in ("requests", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise S2DError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     from s2d_jax.data.distill import prompts_from_file
+    from s2d_jax.data.prompts import end_of_turn_id, prompt_ids, resolve_template
+    from s2d_jax.decode.defaults import BUFFER_BUCKET, round_up
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
+    from s2d_jax.server.batch import SlotDecoder
     cfg, params, _ = load_model(args.target, dtype="float32")
     tok = load_tokenizer(args.target)
     decoder = Decoder(cfg, params, method="ar", name="target")
-    prompts = prompts_from_file(input_arg("data/gsm8k_train.jsonl"))[:max(sizes)]
+    template, _ = resolve_template(tok, "auto")
+    eos = end_of_turn_id(tok, template)
+    texts = prompts_from_file(input_arg("data/gsm8k_train.jsonl"))
+    ids = [prompt_ids(tok, template, [p]) for p in texts[:max(sizes + [args.requests])]]
+    new = args.max_new_tokens
     for b in sizes:
-        print(f"batch {b}: {throughput(decoder, tok, prompts, b, args.max_new_tokens):.1f} "
-              f"answer tokens/s", flush=True)
+        out, seconds = timed(lambda: decoder.generate(ids[:b], max_new_tokens=new, eos_id=eos))
+        print(report(f"batch {b}", ids[:b], [o["token_ids"] for o in out], seconds, cfg,
+                     params), flush=True)
+    asked = ids[:args.requests]
+    for s in slot_counts:
+        # slots hold the longest prompt and its answer (the data engine's choice)
+        engine = SlotDecoder(decoder, tok, slots=s, max_len=round_up(
+            max(len(i) for i in asked) + new, BUFFER_BUCKET))
+        out, seconds = timed(lambda: engine.generate(asked, max_new_tokens=new, eos_id=eos))
+        print(report(f"slots {s} ({len(asked)} requests)", asked, [o["token_ids"] for o in out],
+                     seconds, cfg, params), flush=True)
 
 
 if __name__ == "__main__":
