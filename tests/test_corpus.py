@@ -245,7 +245,7 @@ def test_generation_commits_whole_shards_and_a_clone_trains_from_them(tiny, tmp_
             "--prompts", str(tiny / "prompts.jsonl"), "--batch-size", "2",
             "--max-new-tokens", "5", "--heldout",
             os.path.join(ROOT, "data", "demo_calibration.jsonl"), "--commit"]
-    corpus_generate.main(argv + ["--max-shards", "2"])
+    corpus_generate.main(argv + ["--max-shards", "2", "--slots", "0"])  # batched, then slots
     log = git(repo, "log", "--format=%s").splitlines()
     assert len(log) == 3 and log[-1].startswith("corpus: run r0 planned (5 prompts)")
     assert all(line.startswith("corpus: shard r0-0000") for line in log[:2])
@@ -258,6 +258,8 @@ def test_generation_commits_whole_shards_and_a_clone_trains_from_them(tiny, tmp_
     assert len(git(repo, "log", "--format=%s").splitlines()) == 4
     m = corpus.verify(str(repo / "data" / "c"))
     assert [s["rows"] for s in m["shards"]] == [4, 4, 2]
+    assert [s["engine"].split(",")[0] for s in m["shards"]] == \
+        ["batched Decoder", "batched Decoder", "slot engine"]
     # a fresh clone verifies the checksums and trains without generating
     git(tmp_path, "clone", "-q", str(repo), "clone")
     clone = tmp_path / "clone" / "data" / "c"

@@ -159,6 +159,45 @@ def answer_engine(args, decoder, tok, prompts: list[str]):
     return engine, f"slot engine, {args.slots} slots of {max_len} tokens"
 
 
+class ShardWriter:
+    """Writes each completed shard into the corpus (and, with --commit, into git every
+    --commit-every shards), logging the run's rate."""
+
+    def __init__(self, args, manifest: dict, prompts: list[str], log):
+        self.args, self.manifest, self.prompts, self.log = args, manifest, prompts, log
+        self.tokens, self.start = 0, time.perf_counter()
+        self.last = self.start
+        self.uncommitted: list[str] = []
+
+    def write(self, k: int, rows: list[dict], engine_name: str) -> None:
+        from s2d_jax.data import corpus
+        size, args = self.args.batch_size, self.args
+        batch = self.prompts[k * size:(k + 1) * size]
+        for row in rows:
+            row["prompt_index"] = k * size + batch.index(row["prompt"])
+        rec = corpus.add_shard(args.corpus, self.manifest, args.run, k, rows, engine=engine_name)
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        self.tokens += rec["answer_tokens"]
+        total = self.manifest["totals"]
+        msg = (f"shard {rec['file']}: {rec['rows']} rows, {rec['answer_tokens']} answer "
+               f"tokens in {dt:.0f} s (run so far {self.tokens / (now - self.start):.1f} "
+               f"tokens/s); corpus {total['answer_tokens']} answer tokens, "
+               f"{total['bytes'] / 1e6:.2f} MB")
+        self.uncommitted.append(rec["file"])
+        if args.commit and len(self.uncommitted) >= args.commit_every:
+            self.commit(msg)
+        self.log(f"[corpus] {msg}" + ("" if self.uncommitted else " (committed)"))
+
+    def commit(self, msg: str) -> None:
+        from s2d_jax.data import corpus
+        if self.args.commit and self.uncommitted:
+            n = len(self.uncommitted)
+            commit_files(self.args.corpus, self.uncommitted + [corpus.MANIFEST],
+                         f"corpus: {msg}" if n == 1 else f"corpus: {n} shards, last {msg}")
+        self.uncommitted.clear()
+
+
 def generate(args, log) -> dict:
     from s2d_jax.data import corpus, engine
     from s2d_jax.server.corpus_answers import stream_shards
@@ -193,35 +232,7 @@ def generate(args, log) -> dict:
         todo = todo[:args.max_shards]
     log(f"[corpus] run {args.run}: {len(corpus.done_shards(manifest, args.run))} shards done, "
         f"{len(todo)} to write")
-    tokens, start = 0, time.perf_counter()
-    last = [start]
-
-    def write(k, rows, engine_name):
-        nonlocal tokens
-        for row in rows:
-            row["prompt_index"] = k * size + prompts[k * size:(k + 1) * size].index(row["prompt"])
-        rec = corpus.add_shard(args.corpus, manifest, args.run, k, rows, engine=engine_name)
-        now = time.perf_counter()
-        dt, last[0] = now - last[0], now
-        tokens += rec["answer_tokens"]
-        total = manifest["totals"]
-        msg = (f"shard {rec['file']}: {rec['rows']} rows, {rec['answer_tokens']} answer "
-               f"tokens in {dt:.0f} s (run so far {tokens / (now - start):.1f} tokens/s); "
-               f"corpus {total['answer_tokens']} answer tokens, {total['bytes'] / 1e6:.2f} MB")
-        uncommitted.append(rec["file"])
-        if args.commit and len(uncommitted) >= args.commit_every:
-            commit(msg)
-        log(f"[corpus] {msg}" + ("" if uncommitted else " (committed)"))
-
-    uncommitted: list[str] = []
-
-    def commit(msg):
-        if args.commit and uncommitted:
-            n = len(uncommitted)
-            commit_files(args.corpus, uncommitted + [corpus.MANIFEST],
-                         f"corpus: {msg}" if n == 1 else f"corpus: {n} shards, last {msg}")
-        uncommitted.clear()
-
+    writer = ShardWriter(args, manifest, prompts, log)
     batches = [(k, prompts[k * size:(k + 1) * size]) for k in todo]
     try:
         if args.slots and batches:
@@ -230,12 +241,12 @@ def generate(args, log) -> dict:
             log(f"[corpus] answering on the {name}")
             stream_shards(slots_engine, decoder, tok, batches, seed=args.seed,
                           max_new_tokens=args.max_new_tokens,
-                          on_shard=lambda k, rows: write(k, rows, name))
+                          on_shard=lambda k, rows: writer.write(k, rows, name))
         for k, batch in ([] if args.slots else batches):
-            write(k, engine.answer_shard(decoder, tok, batch, k, args.seed, args.max_new_tokens),
-                  f"batched Decoder, {len(batch)} prompts a batch")
+            rows = engine.answer_shard(decoder, tok, batch, k, args.seed, args.max_new_tokens)
+            writer.write(k, rows, f"batched Decoder, {len(batch)} prompts a batch")
     finally:  # whole shards already written are kept in git even when the run stops
-        commit(f"{manifest['totals']['answer_tokens']} answer tokens in the corpus")
+        writer.commit(f"{manifest['totals']['answer_tokens']} answer tokens in the corpus")
     return manifest["totals"]
 
 
