@@ -32,7 +32,8 @@ CMD = "serve-bench"  # its s2d subcommand: the name its shared flags are defined
 def parse_args(argv):
     ap = ArgumentParser(prog="python -m infer.serve_bench", description=__doc__)
     add(ap, "--target", CMD, required=True)
-    for name in ("--draft", "--methods", "--exit", "--gamma", "--questions", "--max-prompts",
+    for name in ("--draft", "--methods", "--exit", "--gamma", "--questions", "--categories",
+                 "--max-prompts",
                  "--chat-template", "--max-new-tokens", "--slots", "--slot-len",
                  "--chunk-rounds", "--dtype"):
         add(ap, name, CMD)
@@ -65,7 +66,8 @@ def prompts_of(args, tok) -> list[list[int]]:
     prompt: OpenAI's token-id prompt, so the server reads exactly these ids)."""
     from s2d_jax.data.prompts import messages_ids, read_questions, resolve_template
     template, _ = resolve_template(tok, args.chat_template)
-    questions = read_questions(args.questions, max_prompts=args.max_prompts)
+    categories = [c for c in args.categories.split(",") if c] if args.categories else None
+    questions = read_questions(args.questions, categories, max_prompts=args.max_prompts)
     return [messages_ids(tok, template, [{"role": "user", "content": q["text"]}])
             for q in questions]
 

@@ -45,12 +45,14 @@ def test_serve_bench_refuses_bad_flags(capsys, tmp_path, argv, expect):
 def test_load_table_compares_each_method_with_ar_at_equal_clients():
     rows = [{"method": m, "clients": c, "requests": 4, "seconds": 1.0, "requests_per_s": 4.0,
              "output_tokens_per_s": tps, "ttft_p50_s": 0.01, "ttft_p99_s": 0.02,
-             "tpot_p50_s": None, "tpot_p99_s": 0.005}
-            for m, c, tps in [("ar", 1, 10.0), ("ar", 4, 30.0), ("s2d", 1, 12.0),
-                              ("s2d", 4, 27.0)]]
+             "tpot_p50_s": None, "tpot_p99_s": 0.005, "speculative_chunks": share,
+             "alone_tokens_per_s": alone}
+            for m, c, tps, share, alone in [("ar", 1, 10.0, 0.0, 11.0), ("ar", 4, 30.0, 0.0, 11.0),
+                                            ("s2d", 1, 12.0, 1.0, 13.2),
+                                            ("s2d", 4, 27.0, 0.25, 13.2)]]
     lines = serve_load.table(rows).splitlines()
-    assert lines[2].endswith("| 1.00x |") and lines[4].endswith("| 1.20x |")
-    assert lines[5].endswith("| 0.90x |")
+    assert lines[2].endswith("| 1.00x | 1.00x |") and lines[4].endswith("| 1.20x | 1.20x |")
+    assert lines[5].endswith("| 0.25 | 13.2 | 0.90x | 1.20x |")
     assert "| 10.0 | 20.0 | - | 5.0 |" in lines[2]  # ms, and None as -
 
 
@@ -65,4 +67,6 @@ def test_serve_bench_smoke_run_on_the_demo_family(tmp_path, capsys):
     assert [(r["method"], r["clients"], r["requests"]) for r in loads] == [
         ("ar", 1, 1), ("ar", 2, 2), ("s2d", 1, 1), ("s2d", 2, 2)]
     assert all(r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 for r in loads)
+    assert all(r["alone_tokens_per_s"] > 0 and 0 <= r["speculative_chunks"] <= 1 for r in loads)
+    assert all(r["speculative_chunks"] == 0 for r in loads if r["method"] == "ar")
     assert "| s2d | 2 |" in (out / "serve_bench.md").read_text()

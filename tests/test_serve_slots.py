@@ -77,6 +77,7 @@ def test_width_buckets():
     assert width_buckets(64) == (16, 32, 64)
     assert width_buckets(100) == (16, 32, 64, 100)
     assert width_buckets(16) == (16,)
+    assert width_buckets(1280) == (16, 32, 64, 128, 256, 512, 768, 1024, 1280)
 
 
 def test_s2d_slots_equal_alone_and_never_compile_after_warm_up(s2d_engine):

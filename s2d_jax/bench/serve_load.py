@@ -74,6 +74,20 @@ def run_load(url: str, model: str, prompts: list, clients: int, requests: int,
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
 
 
+def alone_rate(engine, prompts: list, max_tokens: int) -> float:
+    """Output tokens/s of the server's own decoder on each prompt alone (Decoder.generate
+    at batch 1, no server, no other request): the single-request rate the 1-client load
+    is compared with. One untimed pass compiles."""
+    dec, rate = engine.decoder, 0.0
+    for timed in (False, True):
+        tokens, start = 0, time.perf_counter()
+        for p in prompts:
+            out = dec.generate([list(p)], max_new_tokens=max_tokens, eos_id=engine.eos_id)
+            tokens += len(out[0]["token_ids"])
+        rate = tokens / (time.perf_counter() - start)
+    return rate
+
+
 def run_methods(start_server, methods, prompts, client_counts, requests_per_client: int,
                 max_tokens: int, progress=print) -> list[dict]:
     """For each method: `start_server(method)` -> a started server.launch.Server; one warm
@@ -94,10 +108,15 @@ def run_methods(start_server, methods, prompts, client_counts, requests_per_clie
                          f"left out")
             prompts = fitting
             run_load(server.url, server.model, prompts[:1], 1, 1, 4)  # first-request costs
+            alone = alone_rate(server.engine, prompts[:requests_per_client], max_tokens)
             for clients in client_counts:
+                before = dict(server.engine.chunks)
                 row = {"method": method, **run_load(server.url, server.model, prompts,
                                                     clients, clients * requests_per_client,
                                                     max_tokens)}
+                ran = {k: v - before.get(k, 0) for k, v in server.engine.chunks.items()}
+                row["speculative_chunks"] = ran.get("speculative", 0) / max(sum(ran.values()), 1)
+                row["alone_tokens_per_s"] = alone
                 progress(format_row(row))
                 rows.append(row)
         finally:
@@ -109,7 +128,8 @@ COLUMNS = [("method", "method", "{}"), ("clients", "clients", "{}"),
            ("requests", "requests", "{}"), ("requests_per_s", "req/s", "{:.2f}"),
            ("output_tokens_per_s", "out tok/s", "{:.1f}"), ("ttft_p50_s", "TTFT p50 ms", "ms"),
            ("ttft_p99_s", "TTFT p99 ms", "ms"), ("tpot_p50_s", "TPOT p50 ms", "ms"),
-           ("tpot_p99_s", "TPOT p99 ms", "ms")]
+           ("tpot_p99_s", "TPOT p99 ms", "ms"), ("speculative_chunks", "spec. chunks", "{:.2f}"),
+           ("alone_tokens_per_s", "alone tok/s", "{:.1f}")]
 
 
 def _cell(value, fmt):
@@ -119,19 +139,21 @@ def _cell(value, fmt):
 
 
 def format_row(row: dict) -> str:
-    return "  ".join(f"{head} {_cell(row[key], fmt)}" for key, head, fmt in COLUMNS)
+    return "  ".join(f"{head} {_cell(row.get(key), fmt)}" for key, head, fmt in COLUMNS)
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table of the loads, with each method's tokens/s over AR's at the same
     client count where AR ran."""
-    ar = {r["clients"]: r["output_tokens_per_s"] for r in rows if r["method"] == BASELINE}
-    heads = [h for _, h, _ in COLUMNS] + ["vs AR"]
+    ar = {r["clients"]: r for r in rows if r["method"] == BASELINE}
+    heads = [h for _, h, _ in COLUMNS] + ["vs AR", "alone vs AR alone"]
     lines = ["| " + " | ".join(heads) + " |", "|" + " --- |" * len(heads)]
     for r in rows:
-        ratio = (f"{r['output_tokens_per_s'] / ar[r['clients']]:.2f}x"
-                 if r["clients"] in ar else "-")
-        lines.append("| " + " | ".join(_cell(r[k], f) for k, _, f in COLUMNS) + f" | {ratio} |")
+        base = ar.get(r["clients"])
+        ratios = [f"{r[k] / base[k]:.2f}x" if base and r.get(k) and base.get(k) else "-"
+                  for k in ("output_tokens_per_s", "alone_tokens_per_s")]
+        lines.append("| " + " | ".join(_cell(r.get(k), f) for k, _, f in COLUMNS)
+                     + f" | {' | '.join(ratios)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -107,6 +107,11 @@ def build_server(target: str, draft: str | None = None, *, method: str = "s2d",
     say(f"warmed {sum(warmed.values())} programs in {time.perf_counter() - t0:.1f} s "
         f"({', '.join(f'{k} x{v}' for k, v in warmed.items())}; prompt widths "
         f"{', '.join(map(str, engine.buckets))}; {slots} slots of {engine.max_len} tokens)")
+    if engine.policy is not None:
+        say("round seconds per row bucket (speculative / AR -> the tokens per round "
+            "speculation needs): " + ", ".join(
+                f"{r['rows']}: {r['spec_round_s'] * 1e3:.0f} / {r['ar_round_s'] * 1e3:.0f} ms "
+                f"-> {r['break_even_tokens_per_round']:.2f}" for r in engine.policy.table()))
     model = name or os.path.basename(os.path.normpath(target))
     return Server(engine, model=model, template=template, host=host, port=port,
                   max_queue=max_queue, default_max_tokens=default_max_tokens)

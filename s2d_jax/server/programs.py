@@ -1,5 +1,7 @@
 """The slot engine's own jitted programs, beside engine.prefill and engine.decode_chunk:
-an empty batch of slots, writing one prefilled request into a slot, and freeing slots.
+an empty batch of slots, writing one prefilled request into a slot, freeing slots, moving
+a row (the busy rows stay at the front), resizing the batch to another row bucket, the
+draft's catch-up after chunks of plain AR, and the AR view of a speculative state.
 
 Each takes the chain as its one static argument (engine._jit_per_chain), so a server
 compiles each once for its slot count and buffer; the batch state is donated, so a slot
@@ -8,12 +10,16 @@ is written in place (no copy of the other slots' caches).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from s2d_jax.decode import engine
 from s2d_jax.decode.chain import Chain
-from s2d_jax.decode.state import GenState
+from s2d_jax.decode.state import GenState, RoundStats
+from s2d_jax.model import transformer as model
+from s2d_jax.model.layers import decode_layers
 
 
 def _row(big, small, slot, axis: int = 0):
@@ -23,14 +29,24 @@ def _row(big, small, slot, axis: int = 0):
 
 def _insert(state: GenState, one: GenState, slot, *, chain: Chain) -> GenState:
     """The batch state with slot `slot` holding the one-row state `one` (a request just
-    prefilled with the same chain): its tokens, lengths, statistics and every level's
-    K/V (cache batch axis 1). The batch's key and round counter stay the batch's."""
-    del chain  # static: one program per chain
-    caches = [None if c is None else c.replace(k=_row(c.k, o.k, slot, 1),
-                                               v=_row(c.v, o.v, slot, 1),
-                                               lengths=_row(c.lengths, o.lengths, slot))
-              for c, o in zip(state.caches, one.caches)]
-    stats = jax.tree.map(lambda a, b: _row(a, b, slot), state.stats, one.stats)
+    prefilled): its tokens, lengths and every level's K/V (cache batch axis 1), its
+    statistics zero. `one` may lack the draft's cache (prefilled by the AR chain while the
+    engine decodes plain AR): the slot's draft cache then holds nothing (lengths 0) and
+    the draft's catch-up reads the prompt if speculation resumes. The batch's key and
+    round counter stay the batch's."""
+    del chain  # static: one program per chain (and per kind of `one`)
+
+    def put(c, o):
+        if c is None:
+            return None
+        if o is None:
+            return c.replace(lengths=_row(c.lengths, jnp.zeros((1,), jnp.int32), slot))
+        return c.replace(k=_row(c.k, o.k, slot, 1), v=_row(c.v, o.v, slot, 1),
+                         lengths=_row(c.lengths, o.lengths, slot))
+
+    caches = [put(c, o) for c, o in zip(state.caches, one.caches)]
+    stats = jax.tree.map(lambda a: _row(a, jnp.zeros((1,) + a.shape[1:], a.dtype), slot),
+                         state.stats)
     return state.with_caches(caches).replace(
         tokens=_row(state.tokens, one.tokens, slot), length=_row(state.length, one.length, slot),
         prompt_len=_row(state.prompt_len, one.prompt_len, slot),
@@ -46,6 +62,110 @@ def _release(state: GenState, free, *, chain: Chain) -> GenState:
 
 insert = engine._jit_per_chain(_insert, donate_argnames=("state",))
 release = engine._jit_per_chain(_release, donate_argnames=("state",))
+
+
+def _move(state: GenState, src, dst, *, chain: Chain) -> GenState:
+    """Row `src` copied into row `dst` (every per-row array and every level's K/V), then
+    `src` freed: the engine keeps its busy rows at the front (one row's copy per freed
+    slot, so a chunk can run on the smallest row bucket that holds them)."""
+    del chain
+    take = lambda a, axis=0: jax.lax.dynamic_slice_in_dim(a, src, 1, axis)  # noqa: E731
+    caches = [None if c is None else c.replace(k=_row(c.k, take(c.k, 1), dst, 1),
+                                               v=_row(c.v, take(c.v, 1), dst, 1),
+                                               lengths=_row(c.lengths, take(c.lengths), dst))
+              for c in state.caches]
+    stats = jax.tree.map(lambda a: _row(a, take(a), dst), state.stats)
+    moved = state.with_caches(caches).replace(
+        tokens=_row(state.tokens, take(state.tokens), dst),
+        length=_row(state.length, take(state.length), dst),
+        prompt_len=_row(state.prompt_len, take(state.prompt_len), dst),
+        done=_row(state.done, take(state.done), dst), stats=stats)
+    return moved.replace(done=moved.done.at[src].set(True))
+
+
+def _resize(state: GenState, *, rows: int, chain: Chain) -> GenState:
+    """The first `rows` rows of the batch (fewer: the others must be free), or the batch
+    padded with free rows (more). A copy of the kept rows, made only when the busy count
+    crosses a row bucket."""
+    del chain
+    B = state.length.shape[0]
+
+    def fit(a, axis=0, fill=0):
+        if rows <= B:
+            return jax.lax.slice_in_dim(a, 0, rows, axis=axis)
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, rows - B)
+        return jnp.pad(a, pad, constant_values=fill)
+
+    caches = [None if c is None else c.replace(k=fit(c.k, 1), v=fit(c.v, 1),
+                                               lengths=fit(c.lengths))
+              for c in state.caches]
+    return state.with_caches(caches).replace(
+        tokens=fit(state.tokens), length=fit(state.length), prompt_len=fit(state.prompt_len),
+        done=fit(state.done, fill=True), stats=jax.tree.map(fit, state.stats))
+
+
+# Positions the draft re-reads per step of its catch-up (below): a multiple of the CPU
+# kernels' row blocks, small enough that a short lag costs little.
+CATCH_UP_WINDOW = 32
+
+
+def _catch_up_draft(state: GenState, draft_params, *, chain: Chain) -> GenState:
+    """After chunks decoded without the draft (plain AR at a high occupancy), the draft's
+    cache lags: it holds exact K/V only below its `lengths`. Feed each busy row's tokens
+    from there through every draft layer, CATCH_UP_WINDOW positions per step, until it
+    holds all but the newest token again (what a speculative round leaves) -> the state
+    a speculative chunk expects.
+
+    Positions past a row's length feed the buffer's zeros: their K/V are junk that no
+    query reads (the round writes a position before any query at or after it), and the
+    cache's lengths never count them."""
+    cache, W = state.draft_cache, CATCH_UP_WINDOW
+    cfg, S = chain.draft, state.tokens.shape[1]
+    want = jnp.maximum(state.length - 1, 0)
+
+    def behind(c):
+        return jnp.any(~state.done & (c.lengths < want))
+
+    def feed(c):
+        positions = c.lengths[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(state.tokens, jnp.minimum(positions, S - 1), axis=1)
+        h = model.embed_tokens(draft_params, cfg, tokens)
+        _, c = decode_layers(draft_params, cfg, h, jnp.minimum(positions, S - 1), 0,
+                             cfg.num_layers, c)
+        return c.with_lengths(jnp.where(c.lengths < want, jnp.minimum(c.lengths + W, want),
+                                        c.lengths))
+
+    return state.replace(draft_cache=jax.lax.while_loop(behind, feed, cache))
+
+
+move = engine._jit_per_chain(_move, donate_argnames=("state",))
+# not donated: the output has another shape, so no buffer could be reused
+resize = jax.jit(_resize, static_argnames=("rows", "chain"))
+catch_up_draft = engine._jit_per_chain(_catch_up_draft, donate_argnames=("state",))
+
+
+def ar_chain(chain: Chain) -> Chain:
+    """The same target and buffer decoding plain AR (no draft level): what the engine
+    runs where speculation does not pay."""
+    return dataclasses.replace(chain, draft=None,
+                               spec=dataclasses.replace(chain.spec, method="ar"))
+
+
+def without_draft(state: GenState, ar: Chain) -> GenState:
+    """The target-only state an AR chunk takes (fresh round statistics; the draft's cache
+    stays with the caller, untouched)."""
+    return state.replace(draft_cache=None,
+                         stats=RoundStats.zeros(state.length.shape[0], ar.spec))
+
+
+def with_draft(ar_state: GenState, spec_state_stats: RoundStats, draft_cache) -> GenState:
+    """An AR chunk's result back in the speculative state: its rounds and tokens added to
+    the rows' counters (every AR round is one target call for one token)."""
+    s, a = spec_state_stats, ar_state.stats
+    stats = s.replace(rounds=s.rounds + a.rounds, round_tokens=s.round_tokens + a.round_tokens,
+                      level_calls=s.level_calls + a.level_calls)
+    return ar_state.replace(draft_cache=draft_cache, stats=stats)
 
 
 def empty_state(prefill_args: tuple, *, chain: Chain) -> GenState:

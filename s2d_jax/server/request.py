@@ -1,5 +1,6 @@
 """One request, as the Python API, the CLIs and the server all hand it to the slot engine,
-and what comes back: its tokens, text, why it ended and its speculation figures.
+and what comes back: its tokens, text, why it ended and its speculation figures; a Job is
+a submitted request inside the slot engine (server/slots.py).
 
 A Request holds token ids (the caller renders and encodes the prompt: the server and the
 API by the tokenizer's chat template, data/prompts.py) and the per-request settings the
@@ -12,9 +13,13 @@ one clear S2DError wherever the request comes from.
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from typing import Callable
 
 from s2d_jax import validate
 from s2d_jax.errors import S2DError
+from s2d_jax.server.text import AnswerText
 
 # OpenAI's two, then: the client left, the engine failed its chunk
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -78,3 +83,28 @@ def speculation_stats(new_tokens: int, rounds: int, drafted: int, accepted: int)
             "tokens_per_target_call": new_tokens / calls if calls else None,
             "drafted": drafted, "accepted": accepted,
             "draft_acceptance": accepted / drafted if drafted else None}
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """A submitted request while it waits, decodes and after it ends. `sink(event)` (from
+    the engine's thread) gets {"type": "text", "text": piece} as the answer grows and
+    {"type": "done", "result": Result} once; `cancel()` (any thread) frees its slot at the
+    next chunk boundary."""
+
+    request: Request
+    sink: Callable[[dict], None] | None
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    slot: int | None = None
+    text: AnswerText | None = None
+    result: Result | None = None
+    first_token_at: float | None = None
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, event: dict) -> None:
+        if self.sink is not None:
+            self.sink(event)

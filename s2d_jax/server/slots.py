@@ -8,22 +8,40 @@ lookup, ladder, polybasic chains).
     while engine.busy(): engine.step()   # or server.worker.Worker: a thread owning the device
     job.result                           # Result: token_ids, text, finish_reason, stats
 
-One batch state of `slots` rows lives on the device. A request is prefilled alone
-(engine.prefill at batch 1, its prompt padded to a width bucket) and written into a free
-slot (programs.insert); `step()` then runs one chunk of `chunk_rounds` rounds for every
-busy slot (engine.decode_chunk: rows of different lengths, ragged acceptance, each at its
-own positions), reads back the tokens and hands each request its new text. A request that
-ended (EOS, its budget, a stop string) or was cancelled frees its slot between chunks
-(programs.release) and a waiting one takes it. A row's computation never reads another
-row (attention, the cache and the accept rule are per row; the CPU kernels compute a row
-the same whatever the row count), so a greedy answer is the one the prompt gets alone.
+One batch state lives on the device, with as many rows as the smallest row bucket
+(`row_buckets`: powers of two up to `slots`) that holds the busy slots, which stay at
+the front: a round computes every row of the batch, so one request alone decodes at
+batch 1, not at `slots`. A request is prefilled alone (engine.prefill at batch 1, its
+prompt padded to a width bucket) and written into the first free row (programs.insert),
+the batch growing to the next bucket when it is full (programs.resize); `step()` then
+runs one chunk of `chunk_rounds` rounds for every busy row (engine.decode_chunk: rows of
+different lengths, ragged acceptance, each at its own positions), reads back the tokens
+and hands each request its new text. A request that ended (EOS, its budget, a stop
+string) or was cancelled frees its row between chunks (programs.release), the last busy
+row moves into the hole (programs.move) and the batch shrinks to the bucket that holds
+the rest; a waiting request takes the room first. A row's computation never reads
+another row (attention, the cache and the accept rule are per row; the CPU kernels
+compute a row the same whatever the row count), so a greedy answer is the one the
+prompt gets alone.
 
-Per slot: max_new_tokens, temperature and top_p are traced [slots] arrays (a setting never
+Speculation that adapts to load (server/occupancy.py): for a two-level method (sd, s2d,
+self, lookup, ladder) `warm()` measures the round cost of the method's chunk and of a
+plain AR chunk at every row bucket, and each chunk runs the one with more expected
+tokens a second at the current bucket, with the tokens per round the traffic gets. An
+AR chunk decodes the target alone on the same state (the draft's cache is set aside and
+falls behind), and a request admitted while the batch decodes AR is prefilled without
+the draft; before the next speculative chunk the draft catches up on the tokens it
+missed (programs.catch_up_draft). Either program commits the target's own tokens, so
+the answers do not depend on the choice.
+
+Per row: max_new_tokens, temperature and top_p are traced arrays (a setting never
 recompiles). Compiled programs, all made by `warm()`: prefill once per prompt-width
-bucket (`buckets`: powers of two from 16 up to max_len), insert, release, and the chunk
-twice (the greedy program, which skips the softmaxes, whenever every busy slot is greedy;
-the sampling one otherwise). Prefill always runs the sampling program: at temperature 0
-it draws the argmax, so one program serves both.
+bucket (`buckets`: width_buckets; twice with a draft: with and without it); per row
+bucket insert (of both prefills), release,
+move, the draft's catch-up and the chunk twice per program (the greedy one, which skips
+the softmaxes, whenever every busy row is greedy; the sampling one otherwise); a resize
+per pair of row buckets. Prefill always runs the sampling program: at temperature 0 it
+draws the argmax, so one program serves both.
 """
 
 from __future__ import annotations
@@ -31,7 +49,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
-import threading
 import time
 from typing import Callable
 
@@ -40,49 +57,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from s2d_jax.decode import engine
-from s2d_jax.decode.defaults import PROMPT_BUCKET, round_up
+from s2d_jax.decode.defaults import PROMPT_BUCKET
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams
 from s2d_jax.errors import S2DError
 from s2d_jax.server import programs
-from s2d_jax.server.request import Request, Result, speculation_stats
+from s2d_jax.server.occupancy import OccupancyPolicy
+from s2d_jax.server.request import Job, Request, Result, speculation_stats
 from s2d_jax.server.text import AnswerText
 from s2d_jax import validate
 
 
+# Past this width prompt widths grow by it, not by doubling: a long prefill is bound by
+# its multiply-adds, so every padded position is paid in full (a 700-token prompt padded
+# to 1024 would cost 46% more), while each width is one more program to compile.
+LONG_PROMPT_STEP = 256
+
+
 def width_buckets(max_len: int) -> tuple[int, ...]:
-    """Padded prompt widths: powers of two from PROMPT_BUCKET, the last one max_len (a
-    prompt needs a slot for at least one new token: it is shorter than max_len)."""
+    """Padded prompt widths: powers of two from PROMPT_BUCKET up to 2 * LONG_PROMPT_STEP,
+    then steps of LONG_PROMPT_STEP, the last one max_len (a prompt needs a slot for at
+    least one new token: it is shorter than max_len)."""
     widths, w = [], PROMPT_BUCKET
     while w < max_len:
         widths.append(w)
-        w *= 2
+        w = w * 2 if w < 2 * LONG_PROMPT_STEP else w + LONG_PROMPT_STEP
     return tuple(widths) + (max_len,)
 
 
-@dataclasses.dataclass(eq=False)
-class Job:
-    """A submitted request while it waits, decodes and after it ends. `sink(event)` (from
-    the engine's thread) gets {"type": "text", "text": piece} as the answer grows and
-    {"type": "done", "result": Result} once; `cancel()` (any thread) frees its slot at the
-    next chunk boundary."""
-
-    request: Request
-    sink: Callable[[dict], None] | None
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    slot: int | None = None
-    text: AnswerText | None = None
-    result: Result | None = None
-    first_token_at: float | None = None
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def emit(self, event: dict) -> None:
-        if self.sink is not None:
-            self.sink(event)
+def row_buckets(slots: int) -> tuple[int, ...]:
+    """Batch sizes the engine runs at: powers of two below `slots`, then `slots`."""
+    rows, r = [], 1
+    while r < slots:
+        rows.append(r)
+        r *= 2
+    return tuple(rows) + (slots,)
 
 
 class SlotEngine:
@@ -91,7 +100,8 @@ class SlotEngine:
     `pending` and Job.cancel: one thread (server.worker.Worker) calls step()."""
 
     def __init__(self, decoder, tokenizer, *, slots: int = 4, max_len: int | None = None,
-                 chunk_rounds: int = 4, eos_id: int | None = None, seed: int = 0):
+                 chunk_rounds: int = 4, eos_id: int | None = None, seed: int = 0,
+                 adaptive: bool = True):
         from s2d_jax.decode.defaults import eos_id_or_default
         validate.integer(slots, "slots", 1)
         validate.integer(chunk_rounds, "chunk_rounds", 1)
@@ -111,15 +121,26 @@ class SlotEngine:
             if decoder.draft_params is not None else None
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: collections.deque[Job] = collections.deque()
-        self.jobs: list[Job | None] = [None] * slots
-        self._empty_args = self._prefill_args(
-            np.ones((slots, self.buckets[0]), np.int32), np.ones(slots, np.int32),
-            self._request_dp(Request((1,))), seed)
-        self.state = self._empty
+        self.jobs: list[Job | None] = [None] * slots  # busy rows first (`_compact`)
+        self.row_buckets = row_buckets(slots)
+        self.seed = seed
+        # the plain-AR alternative of a two-level speculative method (module docstring);
+        # the policy that picks between them exists once warm() measured their costs
+        two_level = self.spec.proposer.proposes and not self.spec.mus
+        self.ar = programs.ar_chain(self.chain) if adaptive and two_level else None
+        self.policy: OccupancyPolicy | None = None
+        self.speculating = self.spec.proposer.proposes  # what the last chunk ran
+        self.draft_stale = False  # AR chunks ran since the draft's cache was current
+        self.seen = np.zeros((slots, 2), np.int64)  # per row: rounds, tokens last read
+        self.chunks = collections.Counter()  # chunks run: speculative / ar
+        self.rows = self.row_buckets[0]
+        self.state = self._empty(self.rows)
 
-    @property
-    def _empty(self):
-        return programs.empty_state(self._empty_args, chain=self.chain)
+    def _empty(self, rows: int):
+        args = self._prefill_args(np.ones((rows, self.buckets[0]), np.int32),
+                                  np.ones(rows, np.int32), self._request_dp(Request((1,))),
+                                  self.seed)
+        return programs.empty_state(args, chain=self.chain)
 
     # --- what the programs take -------------------------------------------------------
 
@@ -130,29 +151,31 @@ class SlotEngine:
                                         stop_threshold=self.decoder.stop_threshold)
         return dp.replace(sampling=dataclasses.replace(dp.sampling, greedy=False))
 
-    def _batch_dp(self) -> DecodeParams:
-        """The chunk's settings: each slot's budget, temperature and top-p ([slots]
-        arrays); free slots are done, their values unused."""
-        jobs = [(j.request if j is not None else None) for j in self.jobs]
+    def _batch_dp(self, spec=None) -> DecodeParams:
+        """The chunk's settings for `spec` (default the method's): each row's budget,
+        temperature and top-p ([rows] arrays); free rows are done, their values unused."""
+        spec = spec or self.spec
+        jobs = [(j.request if j is not None else None) for j in self.jobs[:self.rows]]
         new = np.array([r.max_new_tokens if r else 1 for r in jobs], np.int32)
         temp = np.array([r.temperature if r else 0.0 for r in jobs], np.float32)
         top_p = np.array([r.top_p if r else 1.0 for r in jobs], np.float32)
         greedy = all(r is None or r.greedy for r in jobs)
         sp = SamplingParams(jax.device_put(temp), jnp.int32(0), jax.device_put(top_p),
                             greedy=greedy)
-        thresholds = np.asarray(self.decoder.thresholds, np.float32).reshape(self.spec.num_exits)
+        thresholds = (np.asarray(self.decoder.thresholds, np.float32).reshape(spec.num_exits)
+                      if spec.num_exits else np.zeros(0, np.float32))
         return DecodeParams(sp, jax.device_put(thresholds), jax.device_put(new),
                             jnp.int32(self.eos_id), jnp.float32(self.decoder.stop_threshold))
 
-    def _prefill_args(self, arr, lens, dp, seed) -> tuple:
+    def _prefill_args(self, arr, lens, dp, seed, draft: bool = True) -> tuple:
         d = self.decoder
-        return (self.draft_params, d.target_params, jax.device_put(arr), jax.device_put(lens),
+        return (self.draft_params if draft else None, d.target_params, jax.device_put(arr), jax.device_put(lens),
                 dp, jax.random.key(seed), d.mid_params)
 
-    def _loop_args(self, dp) -> tuple:
+    def _loop_args(self, dp, draft: bool = True) -> tuple:
         d = self.decoder
-        return (self.draft_params, d.target_params, dp, jnp.int32(self.chunk_rounds),
-                d.mid_params)
+        return (self.draft_params if draft else None, d.target_params, dp,
+                jnp.int32(self.chunk_rounds), d.mid_params)
 
     # --- requests ---------------------------------------------------------------------
 
@@ -202,9 +225,54 @@ class SlotEngine:
         self._admit()
         if not self.active():
             return
-        self.state = engine.decode_chunk(self.state, *self._loop_args(self._batch_dp()),
-                                         chain=self.chain)
+        self._resize(self._bucket(self.active()))
+        self.speculating = self.ar is None or self.policy is None or \
+            self.policy.choose(self.rows)
+        self._chunk(self.speculating)
+        self.chunks["speculative" if self.speculating and self.spec.proposer.proposes
+                    else "ar"] += 1
         self._collect()
+
+    def _chunk(self, speculate: bool) -> None:
+        """One chunk of the method's program (speculate) or of plain AR on the same state
+        (module docstring)."""
+        if speculate:
+            if self.draft_stale:
+                self.state = programs.catch_up_draft(self.state, self.draft_params,
+                                                     chain=self.chain)
+                self.draft_stale = False
+            self.state = engine.decode_chunk(self.state, *self._loop_args(self._batch_dp()),
+                                             chain=self.chain)
+            return
+        stats, draft_cache = self.state.stats, self.state.draft_cache
+        out = engine.decode_chunk(programs.without_draft(self.state, self.ar),
+                                  *self._loop_args(self._batch_dp(self.ar.spec), draft=False),
+                                  chain=self.ar)
+        self.state = programs.with_draft(out, stats, draft_cache)
+        self.draft_stale = draft_cache is not None
+
+    def _bucket(self, busy: int) -> int:
+        return next(r for r in self.row_buckets if r >= max(busy, 1))
+
+    def _resize(self, rows: int) -> None:
+        """Run the batch at `rows` rows (the busy ones are at the front)."""
+        if rows != self.rows:
+            self.state = programs.resize(self.state, rows=rows, chain=self.chain)
+            self.rows = rows
+
+    def _compact(self) -> None:
+        """Move the last busy rows into the holes before them (one row copy each)."""
+        while True:
+            busy = [b for b, j in enumerate(self.jobs) if j is not None]
+            holes = [b for b in range(len(busy)) if self.jobs[b] is None]
+            if not holes:
+                return
+            src, dst = busy[-1], holes[0]
+            self.state = programs.move(self.state, jnp.int32(src), jnp.int32(dst),
+                                       chain=self.chain)
+            self.jobs[dst], self.jobs[src] = self.jobs[src], None
+            self.jobs[dst].slot = dst
+            self.seen[dst] = self.seen[src]
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self.waiting if j.cancelled.is_set()]:
@@ -216,34 +284,51 @@ class SlotEngine:
                 free[b] = True
                 self._finish_slot(b, "cancelled")
         if free.any():
-            self.state = programs.release(self.state, jax.device_put(free), chain=self.chain)
+            self.state = programs.release(self.state, jax.device_put(free[:self.rows]),
+                                          chain=self.chain)
+            self._compact()
 
     def _admit(self) -> None:
         while self.waiting and None in self.jobs:
             job = self.waiting.popleft()
-            one = self._prefill(job.request)
+            draft = self._draft_on_admit()
+            one = self._prefill(job.request, draft)
             tokens, length, prompt_len, done = jax.device_get(
                 (one.tokens, one.length, one.prompt_len, one.done))
             job.first_token_at = time.perf_counter()
             job.text = AnswerText(self.tok, job.request.stop)
             if self._advance(job, tokens[0, prompt_len[0]:length[0]], bool(done[0])):
                 continue  # ended with its first token: no slot needed
-            b = self.jobs.index(None)
+            b = self.jobs.index(None)  # == self.active(): busy rows are at the front
+            if b >= self.rows:
+                self._resize(self._bucket(b + 1))
             self.state = programs.insert(self.state, one, jnp.int32(b), chain=self.chain)
             self.jobs[b], job.slot = job, b
+            self.seen[b] = 0
+            self.draft_stale |= not draft
 
-    def _prefill(self, r: Request):
+    def _draft_on_admit(self) -> bool:
+        """Whether a request admitted now gets the draft's prefill: not while the batch it
+        joins decodes plain AR (the draft's share of a long prompt's prefill would be
+        paid for nothing; the catch-up reads the prompt if speculation resumes)."""
+        if self.ar is None or self.draft_params is None or self.policy is None:
+            return True
+        return self.policy.speculate(self._bucket(self.active() + 1))
+
+    def _prefill(self, r: Request, draft: bool = True):
         n = len(r.prompt_ids)
         width = next(w for w in self.buckets if w >= n)
         arr = np.zeros((1, width), np.int32)
         arr[0, :n] = r.prompt_ids
-        args = self._prefill_args(arr, np.array([n], np.int32), self._request_dp(r), r.seed)
-        return engine.prefill(*args, chain=self.chain)
+        args = self._prefill_args(arr, np.array([n], np.int32), self._request_dp(r), r.seed,
+                                  draft)
+        return engine.prefill(*args, chain=self.chain if draft else self.ar)
 
     def _collect(self) -> None:
         s = self.state
         tokens, length, prompt_len, done, stats = jax.device_get(
             (s.tokens, s.length, s.prompt_len, s.done, s.stats))
+        self._observe(stats)
         free = np.zeros(self.slots, bool)
         for b, job in enumerate(self.jobs):
             if job is None:
@@ -254,7 +339,19 @@ class SlotEngine:
                 free[b] = not done[b]  # stopped by a stop string: the row still runs
                 self.jobs[b] = None
         if free.any():
-            self.state = programs.release(self.state, jax.device_put(free), chain=self.chain)
+            self.state = programs.release(self.state, jax.device_put(free[:self.rows]),
+                                          chain=self.chain)
+        self._compact()
+
+    def _observe(self, stats) -> None:
+        """The busy rows' rounds and tokens since the last read; a speculative chunk's
+        go to the policy's tokens per round."""
+        busy = np.array([j is not None for j in self.jobs[:self.rows]])
+        now = np.stack([stats.rounds, stats.round_tokens], axis=1).astype(np.int64)
+        delta = (now - self.seen[:self.rows])[busy]
+        self.seen[:self.rows] = now
+        if self.policy is not None and self.speculating:
+            self.policy.observe(int(delta[:, 1].sum()), int(delta[:, 0].sum()))
 
     def _advance(self, job: Job, ids, done: bool, counts=(0, 0, 0)) -> bool:
         """The job's answer is now `ids` (done: its row stopped) -> it ended."""
@@ -298,32 +395,18 @@ class SlotEngine:
             job.finished.set()
             job.emit({"type": "error", "message": message})
         self.jobs = [None] * self.slots
-        self.state = self._empty
+        self.rows, self.draft_stale = self.row_buckets[0], False
+        self.state = self._empty(self.rows)
         return len(failed)
 
     # --- warm-up and the API's batch --------------------------------------------------
 
     def warm(self) -> dict:
         """Compile every program a request can need (module docstring), so no request
-        compiles -> {program: count} of what was compiled."""
-        counts = {"prefill": 0, "insert": 1, "release": 1, "decode_chunk": 2}
-        r = Request((1,), max_new_tokens=1)
-        one = None
-        for width in self.buckets:
-            args = self._prefill_args(np.ones((1, width), np.int32), np.array([1], np.int32),
-                                      self._request_dp(r), 0)
-            one = engine.prefill(*args, chain=self.chain)
-            counts["prefill"] += 1
-        state = programs.insert(self.state, one, jnp.int32(0), chain=self.chain)
-        state = programs.release(state, jax.device_put(np.ones(self.slots, bool)),
-                                 chain=self.chain)
-        dp = self._batch_dp()
-        for greedy in (True, False):
-            dp = dp.replace(sampling=dataclasses.replace(dp.sampling, greedy=greedy))
-            state = engine.decode_chunk(state, *self._loop_args(dp), chain=self.chain)
-        self.state = jax.block_until_ready(state)
-        jax.device_get(self.state.stats)
-        return counts
+        compiles, and measure the round costs the occupancy policy reads -> {program:
+        count} of what was compiled (server/warm_up.py)."""
+        from s2d_jax.server.warm_up import warm
+        return warm(self)
 
     def run(self, requests, sinks=None) -> list[Result]:
         """Decode `requests` to the end on this thread -> one Result each, in order."""

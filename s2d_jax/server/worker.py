@@ -14,8 +14,8 @@ import logging
 import threading
 
 from s2d_jax.errors import S2DError
-from s2d_jax.server.request import Request
-from s2d_jax.server.slots import Job, SlotEngine
+from s2d_jax.server.request import Job, Request
+from s2d_jax.server.slots import SlotEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,10 @@ class Worker:
 
     def status(self) -> dict:
         e = self.engine
+        policy = e.policy
         return {"slots": e.slots, "active": e.active(), "waiting": e.pending(),
+                "rows": e.rows, "speculating": e.speculating,
+                "tokens_per_round": None if policy is None else round(policy.tokens_per_round, 3),
                 "max_queue": self.max_queue, "paused": not self.running.is_set(),
                 **self.counts}
 
