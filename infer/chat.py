@@ -89,6 +89,23 @@ def turns_from(script: list[str] | None):
         return
     if sys.stdin.isatty():
         import readline  # noqa: F401 (input() then edits lines and keeps their history)
+    try:
+        yield from _terminal_lines()
+    except KeyboardInterrupt:
+        # a second press that landed between the first one's note and the next prompt
+        # (outside input()'s handler): the chat ends as on a second press at the prompt
+        _end_on_interrupt()
+
+
+def _end_on_interrupt() -> None:
+    """The chat ends: one more press must not cut short writing --out-file."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print()
+
+
+def _terminal_lines():
+    """The terminal's non-empty lines until Ctrl-D or a second Ctrl-C in a row."""
     interrupted = False
     while True:
         try:
@@ -98,10 +115,7 @@ def turns_from(script: list[str] | None):
             return
         except KeyboardInterrupt:
             if interrupted:  # a second Ctrl-C in a row at the prompt
-                # the chat ends: one more press must not cut short writing --out-file
-                import signal
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
-                print()
+                _end_on_interrupt()
                 return
             interrupted = True
             print("\n(Ctrl-C again, or Ctrl-D, ends the chat)", file=sys.stderr, flush=True)

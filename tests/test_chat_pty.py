@@ -116,3 +116,30 @@ def test_ctrl_c_stops_the_answer_and_history_recalls_the_line(tmp_path):
     tok = load_tokenizer(target)
     alone = len(tok.encode("ROMEO:", bos=True))
     assert rows[0]["prompt_tokens"] >= 2 * alone + len(tok.encode(partial, bos=False)) - 2
+
+
+def test_a_second_ctrl_c_during_the_first_ones_note_ends_the_chat(monkeypatch):
+    """The press lands after input() gave up the first one, while the note is written
+    (the race a fast second Ctrl-C hits): the chat ends as on a second press at the
+    prompt, not with a KeyboardInterrupt out of the line reader (exit 130)."""
+    import builtins
+    import signal
+
+    from infer import chat
+
+    def pressed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real_print = builtins.print
+
+    def print_then_pressed(*args, **kwargs):
+        real_print(*args, **kwargs)
+        if args and "Ctrl-C again" in str(args[0]):
+            raise KeyboardInterrupt
+
+    ignored = []
+    monkeypatch.setattr(builtins, "input", pressed)
+    monkeypatch.setattr(builtins, "print", print_then_pressed)
+    monkeypatch.setattr(signal, "signal", lambda *a: ignored.append(a))
+    assert list(chat.turns_from(None)) == []
+    assert ignored == [(signal.SIGINT, signal.SIG_IGN)]  # a third press cannot cut the end
