@@ -331,9 +331,10 @@ FLAGS: dict[str, Flag] = {
                                               "this many slots, a finished answer's slot "
                                               "going to the next prompt (0 = the batch "
                                               "decoded as one)"),
-                  "corpus-generate": variant("its shards stream through the slot engine; 64 "
-                                             "slots measured fastest (train.bench_answers)",
-                                             default=64,
+                  "corpus-generate": variant("its shards stream through the slot engine; 32 "
+                                             "slots measured fastest (train.bench_answers, "
+                                             "2026-11-29: 16 / 32 / 64 slots 165 / 169 / "
+                                             "139 answer tokens/s)", default=32,
                                              help="answer on the slot engine with this many "
                                                   "slots, shards streaming through it (0 = "
                                                   "each shard's batch decoded as one)")}),
