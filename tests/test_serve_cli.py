@@ -35,6 +35,7 @@ def test_serve_refuses_bad_flags(capsys, argv, expect):
     (["--target", TARGET, "--methods", "ar", "--clients", "0,4"], "--clients"),
     (["--target", TARGET, "--methods", "ar", "--requests-per-client", "0"], ">= 1"),
     (["--target", TARGET, "--methods", "ar", "--out", TARGET], "--out"),
+    (["--target", TARGET, "--methods", "ar", "--categories", "qa,nope"], "'nope' is not in"),
 ])
 def test_serve_bench_refuses_bad_flags(capsys, tmp_path, argv, expect):
     out = [] if "--out" in argv else ["--out", str(tmp_path / "bench")]
