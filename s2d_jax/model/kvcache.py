@@ -73,11 +73,38 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 def write_slots(k_buf, v_buf, layer, positions, k, v):
     """K/V buffers [L, B, K, S, H] with k, v [B, T, K, H] written to layer `layer` at slots
-    == positions [B, T] (slots past the cache are skipped), in place."""
+    == positions [B, T] (slots past the cache are skipped), in place.
+
+    Two forms of one scatter, by the platform the program is compiled for. On TPU every
+    index but the head dim is explicit (the scatter's window is H alone): with K and H as
+    its window the compiler lays the cache out heads-minor for the write ({4,2,3,1,0}),
+    and where the kv heads a device holds are no multiple of its 8-row tiles (Vicuna-13B
+    at tensor=4: 10) the attention's blocks want slots-minor ({4,3,2,1,0}), so it copied
+    the whole cache between the two twice per layer (62.5 of the AR round's 69.3 GiB,
+    docs/distributed.md). Elsewhere the K-and-H window stays: XLA:CPU runs a bf16 scatter
+    through f32 and the H-window form costs 8x there, and the H100's program was checked
+    free of relayouts in this form (tests/test_gpu_relayouts.py)."""
+    return jax.lax.platform_dependent(k_buf, v_buf, layer, positions, k, v,
+                                      tpu=_write_heads_explicit, default=_write_rows)
+
+
+def _write_rows(k_buf, v_buf, layer, positions, k, v):
+    """write_slots with the window [K, H]: one scatter index per (row, token)."""
     B, T = positions.shape
     bidx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
     return (k_buf.at[layer, bidx, :, positions].set(k.astype(k_buf.dtype), mode="drop"),
             v_buf.at[layer, bidx, :, positions].set(v.astype(v_buf.dtype), mode="drop"))
+
+
+def _write_heads_explicit(k_buf, v_buf, layer, positions, k, v):
+    """write_slots with the window [H]: one scatter index per (row, kv head, token)."""
+    B, T, K, _ = k.shape
+    bi = jnp.arange(B)[:, None, None]
+    ki = jnp.arange(K)[None, :, None]
+    kt, vt = (jnp.swapaxes(x, 1, 2) for x in (k, v))  # [B, K, T, H]: the cache's order
+    pos = positions[:, None, :]
+    return (k_buf.at[layer, bi, ki, pos].set(kt.astype(k_buf.dtype), mode="drop"),
+            v_buf.at[layer, bi, ki, pos].set(vt.astype(v_buf.dtype), mode="drop"))
 
 
 def write_layers(cache: KVCache, start: int, k: jnp.ndarray, v: jnp.ndarray,
