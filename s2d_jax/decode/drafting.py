@@ -174,8 +174,7 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
     `window` (static): the tokens the first step feeds, default the chain's catch-up window
     (num_levels); the ladder widens it by the lookup's tokens placed before `start`.
 
-    Returns (tokens [B, G], q [B, G, V] their distributions, count [B] proposed,
-    exit index [B, G], cache).
+    Returns (tokens [B, G], q [B, G, V] their draws' laws, count [B], exits [B, G], cache).
     """
     n, G, S = spec.num_levels, spec.gamma, work.shape[1]
     # K/V held for the tokens now in `work`: at most up to start - 1 (that token is new:

@@ -92,18 +92,25 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     # One block covers the cache: no loop (a loop of unknown trip count has no cost in
     # XLA's cost analysis, round_cost.py reads the cache this way).
     carry = body(0, init) if C == S else jax.lax.fori_loop(0, n_blocks, body, init)
-    if new_kv is not None:  # key t' as slot positions[t'] (dropped past the cache's end)
-        kn, vn = (jnp.einsum("BTKH->BKTH", x.astype(q.dtype)) for x in new_kv)
-        # a position given twice holds the later key, as the cache write (and the CPU
-        # kernel's patch) leaves it: a catch-up window pads its rows by repeating one
-        same = positions[:, :, None] == positions[:, None, :]  # [B, T key, T later key]
-        last = ~jnp.any(same & jnp.triu(jnp.ones((T, T), bool), 1)[None], axis=2)
-        ok = ((positions[:, None, :] <= positions[:, :, None])
-              & (positions[:, None, :] < S) & last[:, None, :])  # [B, T query, T key]
-        carry = _softmax_step(carry, q, kn, vn, ok)
+    if new_kv is not None:
+        carry = _attend_new_keys(carry, q, positions, new_kv, S)
     _, norm, acc = carry
     out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
     return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)
+
+
+def _attend_new_keys(carry, q, positions, new_kv, S: int):
+    """The running softmax over the query tokens' own keys/values (new_kv), key t' taken as
+    slot positions[t'] (dropped past the cache's end S) -> the updated carry."""
+    T = positions.shape[1]
+    kn, vn = (jnp.einsum("BTKH->BKTH", x.astype(q.dtype)) for x in new_kv)
+    # a position given twice holds the later key, as the cache write (and the CPU
+    # kernel's patch) leaves it: a catch-up window pads its rows by repeating one
+    same = positions[:, :, None] == positions[:, None, :]  # [B, T key, T later key]
+    last = ~jnp.any(same & jnp.triu(jnp.ones((T, T), bool), 1)[None], axis=2)
+    ok = ((positions[:, None, :] <= positions[:, :, None])
+          & (positions[:, None, :] < S) & last[:, None, :])  # [B, T query, T key]
+    return _softmax_step(carry, q, kn, vn, ok)
 
 
 NEG = jnp.finfo(jnp.float32).min

@@ -37,23 +37,9 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
     """The app serving `worker`'s engine under the model name `model`; prompts rendered in
     `template` (resolved: auto, vicuna or none) with `tokenizer`."""
     app = FastAPI(title="s2d-jax", docs_url=None, redoc_url=None)
+    _answer_errors_as_openai(app)
     engine = worker.engine
     method = engine.spec.method
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_, e: HTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error(oa.ApiError(e.status_code, str(e.detail), kind=kind))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_, e: RequestValidationError):
-        return _error(oa.ApiError(400, str(e)))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, e: Exception):
-        log.exception("unexpected error")
-        return _error(oa.ApiError(500, f"internal error ({type(e).__name__})",
-                                  kind="server_error"))
 
     @app.get("/health")
     async def health():
@@ -103,6 +89,26 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
         return await complete(http, False)
 
     return app
+
+
+def _answer_errors_as_openai(app: FastAPI) -> None:
+    """Every error, also FastAPI's own (an unknown path, a body that is not JSON) and an
+    unexpected one, answered as an OpenAI error object."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(oa.ApiError(e.status_code, str(e.detail), kind=kind))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, e: RequestValidationError):
+        return _error(oa.ApiError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        log.exception("unexpected error")
+        return _error(oa.ApiError(500, f"internal error ({type(e).__name__})",
+                                  kind="server_error"))
 
 
 async def _whole(http: HttpRequest, job, events: asyncio.Queue, reply: oa.Reply):
