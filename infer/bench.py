@@ -67,8 +67,7 @@ def parse_args(argv):
                     help="also run S2D at this fixed setting, e.g. 2,4:0.3,0:1 (repeatable; "
                     "label s2d_e2-4_t0.3-0_g1)")
     add(ap, "--exit", CMD, aliases=("--self-exit",), dest="self_exit")
-    ap.add_argument("--temperatures", default="0,1",
-                    help="comma-separated sampling temperatures (0 = greedy)")
+    add(ap, "--temperatures", CMD)
     for name in ("--repeats", "--cost-every", "--chat-template", "--dtype"):
         add(ap, name, CMD)
     ap.add_argument("--hf-baseline", action="store_true",

@@ -21,8 +21,11 @@ TIMEOUT = 240
 
 
 # In the child, a new session (start_new_session) whose controlling terminal is the pty, so
-# that Ctrl-C typed there is a SIGINT to the chat, as in a real terminal; then the chat.
-OWN_TERMINAL = ("import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# that Ctrl-C typed there is a SIGINT to the chat, as in a real terminal; SIGINT's default
+# action back (a test run started in the background inherits it ignored, and Python then
+# installs no KeyboardInterrupt handler); then the chat.
+OWN_TERMINAL = ("import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                "signal.signal(signal.SIGINT, signal.SIG_DFL); "
                 "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
 
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from s2d_jax.decode.sampling import (SamplingParams, confidence, filter_top_k, filter_top_p,
-                              probs_from_logits, speculative_verify)
+from s2d_jax.decode.sampling import (SAMPLE_BLOCK, SamplingParams, confidence, filter_top_k,
+                                     filter_top_p, probs_from_logits, sample, speculative_verify,
+                                     vocab_argmax)
 
 
 def test_top_k_keeps_k_largest():
@@ -93,3 +94,43 @@ def test_verify_output_is_distributed_as_p(greedy_draft):
         jax.random.key(2), jnp.log(q + 1e-30), shape=(n_samples,))), minlength=V),
         np.asarray(p) * n_samples)
     assert bad < 1e-6
+
+
+def test_sample_draws_probs_across_blocks_and_never_a_zero():
+    """The blockwise inverse-CDF draw: chi-square against probs spread over three blocks
+    (the last one short), with zeros at block starts and ends and inside, unnormalized;
+    a zero-probability token is never drawn, also when all mass sits on the last token."""
+    V, n = 2 * SAMPLE_BLOCK + 37, 400_000
+    rng = np.random.default_rng(0)
+    weights = np.zeros(V, np.float32)
+    live = np.array([1, 5, SAMPLE_BLOCK - 1, SAMPLE_BLOCK + 3, SAMPLE_BLOCK + 200,
+                     2 * SAMPLE_BLOCK + 1, V - 2])
+    weights[live] = rng.uniform(0.5, 2.0, live.size)
+    rows = jnp.broadcast_to(jnp.asarray(weights) * 3.0, (n, V))  # sums to ~3, not 1
+    out = np.asarray(jax.jit(sample)(jax.random.key(0), rows))
+    counts = np.bincount(out, minlength=V)
+    assert set(np.flatnonzero(counts)) <= set(live), np.flatnonzero(counts)
+    expected = weights[live].astype(np.float64) / weights.sum(dtype=np.float64) * n
+    _, pval = stats.chisquare(counts[live], expected)
+    assert pval > 0.01, (counts[live], expected, pval)
+    # the test can fail: the same counts against a distribution off by 5% in one token
+    skewed = expected * np.where(np.arange(live.size) == 0, 1.05, 1.0)
+    _, bad = stats.chisquare(counts[live], skewed / skewed.sum() * n)
+    assert bad < 1e-6, bad
+    last = jnp.zeros((64, V)).at[:, V - 1].set(1e-30)
+    assert np.all(np.asarray(sample(jax.random.key(1), last)) == V - 1)
+    first = jnp.zeros((4, 3, V)).at[..., 0].set(1.0)  # leading axes kept
+    assert np.asarray(sample(jax.random.key(2), first)).shape == (4, 3)
+    assert np.all(np.asarray(sample(jax.random.key(2), first)) == 0)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4, 3 * SAMPLE_BLOCK), (2, 3, 2 * SAMPLE_BLOCK + 7)])
+def test_vocab_argmax_is_argmax_with_ties_and_nans(shape):
+    """The blockwise argmax picks jnp.argmax's index: the first of tied maxima (across and
+    inside blocks), the first NaN, 0 for a row of -inf."""
+    x = jnp.round(jax.random.normal(jax.random.key(0), shape) * 2)  # many ties
+    assert np.array_equal(np.asarray(vocab_argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    V = shape[-1]
+    x = jnp.zeros((3, V)).at[0, V - 1].set(jnp.nan).at[0, V // 2].set(jnp.nan)
+    x = x.at[1].set(-jnp.inf).at[2, V - 1].set(1.0)
+    assert np.asarray(vocab_argmax(x)).tolist() == np.asarray(jnp.argmax(x, axis=-1)).tolist()

@@ -123,6 +123,31 @@ def test_stop_string_and_cancel_free_their_slots(s2d_engine):
     assert all(j is None for j in eng.jobs)
 
 
+def test_a_prompt_asked_twice_in_a_row_is_prefilled_once(s2d_engine, monkeypatch):
+    """The same prompt greedy, then sampled (a corpus prompt's two temperatures): one
+    prefill, and the answers of prefilling each alone (another prompt between them). The
+    sampled request asks for its first token only: later ones come from the batch's key."""
+    from s2d_jax.decode import engine as decode_engine
+    eng, tok = s2d_engine
+    monkeypatch.setattr(eng, "policy", None)  # every admission prefills the draft too
+    ids, other = tuple(tok.encode(TEXTS[1])), tuple(tok.encode(TEXTS[0]))
+    firsts = set()
+    for seed in range(4):
+        pair = [Request(ids, max_new_tokens=12),
+                Request(ids, max_new_tokens=1, temperature=2.0, seed=seed)]
+        apart = eng.run([pair[0], Request(other, max_new_tokens=4), pair[1]])
+        calls = []
+        real = decode_engine.prefill_caches
+        monkeypatch.setattr(decode_engine, "prefill_caches",
+                            lambda *a, **k: calls.append(1) or real(*a, **k))
+        together = eng.run(pair)
+        monkeypatch.setattr(decode_engine, "prefill_caches", real)
+        assert (seed, len(calls), eng.prefilled) == (seed, 1, None)  # kept for the next only
+        assert [r.token_ids for r in together] == [apart[0].token_ids, apart[2].token_ids]
+        firsts.add(together[1].token_ids[0])
+    assert len(firsts) > 1  # each request drew its own first token from the shared prefill
+
+
 def test_requests_the_slots_cannot_hold_are_refused(s2d_engine):
     eng, tok = s2d_engine
     with pytest.raises(S2DError, match="shorten the prompt"):

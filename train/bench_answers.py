@@ -5,9 +5,11 @@ engine's teacher pass (data/teacher.states_fn) over the same prompt + answer row
     python -m train.bench_answers --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct \
         --batch-sizes 8,32 --slot-counts 32,64 --requests 64 --max-new-tokens 64
 
-Every run answers GSM8K-train prompts greedily, once to compile and once timed. A batch
-size answers that many prompts as one batch; a slot count answers --requests prompts
-through that many slots. Printed per run: answer tokens/s, its ratio to the teacher-forced
+Every run answers GSM8K-train prompts at each of --temperatures (default 0,1: the corpus
+answers every prompt greedily and at T = 1), once to compile and once timed. A batch size
+answers that many prompts as one batch per temperature; a slot count answers --requests
+prompts at every temperature through that many slots (a prompt's temperatures in a row,
+as the corpus generator submits them). Printed per run: answer tokens/s, its ratio to the teacher-forced
 rate (tokens/s of the states pass over the run's own rows), and the cost ratio on the same
 rows (the teacher pass's seconds over generation's: a generation costing exactly a forward
 over its rows would score 1; answer tok/s can then reach at most answers / row tokens).
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from s2d_jax.cli.args import ArgumentParser, input_arg, parse_ints
+from s2d_jax.cli.args import ArgumentParser, input_arg, parse_floats, parse_ints
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import S2DError, cli_main
 
@@ -62,7 +64,11 @@ def main(argv=None):
                     help="prompts each slot engine answers (more than its slots: a finished "
                          "answer's slot goes to the next prompt)")
     add(ap, "--max-new-tokens", CMD)
+    add(ap, "--temperatures", CMD)
     args = ap.parse_args(argv)
+    temps = parse_floats(args.temperatures, "--temperatures", nonempty=True)
+    if any(t < 0 for t in temps):
+        raise S2DError(f"--temperatures must be >= 0 (0 = greedy), got {args.temperatures}")
     sizes = parse_ints(args.batch_sizes, "--batch-sizes") if args.batch_sizes.strip() else []
     slot_counts = parse_ints(args.slot_counts, "--slot-counts") \
         if args.slot_counts.strip() else []
@@ -77,7 +83,8 @@ def main(argv=None):
     from s2d_jax.decode.serving import Decoder
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
-    from s2d_jax.server.batch import SlotDecoder
+    from s2d_jax.server.request import Request
+    from s2d_jax.server.slots import SlotEngine
     cfg, params, _ = load_model(args.target, dtype="float32")
     tok = load_tokenizer(args.target)
     decoder = Decoder(cfg, params, method="ar", name="target")
@@ -87,17 +94,20 @@ def main(argv=None):
     ids = [prompt_ids(tok, template, [p]) for p in texts[:max(sizes + [args.requests])]]
     new = args.max_new_tokens
     for b in sizes:
-        out, seconds = timed(lambda: decoder.generate(ids[:b], max_new_tokens=new, eos_id=eos))
-        print(report(f"batch {b}", ids[:b], [o["token_ids"] for o in out], seconds, cfg,
-                     params), flush=True)
-    asked = ids[:args.requests]
+        out, seconds = timed(lambda: [o for k, t in enumerate(temps) for o in decoder.generate(
+            ids[:b], max_new_tokens=new, eos_id=eos, temperature=t, seed=k)])
+        print(report(f"batch {b}", ids[:b] * len(temps), [o["token_ids"] for o in out], seconds,
+                     cfg, params), flush=True)
+    asked = [tuple(i) for i in ids[:args.requests]]
+    requests = [Request(i, max_new_tokens=new, temperature=t, seed=k)
+                for k, i in enumerate(asked) for t in temps]
     for s in slot_counts:
         # slots hold the longest prompt and its answer (the data engine's choice)
-        engine = SlotDecoder(decoder, tok, slots=s, max_len=round_up(
-            max(len(i) for i in asked) + new, BUFFER_BUCKET))
-        out, seconds = timed(lambda: engine.generate(asked, max_new_tokens=new, eos_id=eos))
-        print(report(f"slots {s} ({len(asked)} requests)", asked, [o["token_ids"] for o in out],
-                     seconds, cfg, params), flush=True)
+        engine = SlotEngine(decoder, tok, slots=s, eos_id=eos, max_len=min(round_up(
+            max(len(i) for i in asked) + new, BUFFER_BUCKET), decoder.context))
+        out, seconds = timed(lambda: engine.run(requests))
+        print(report(f"slots {s} ({len(requests)} requests)", [r.prompt_ids for r in requests],
+                     [o.token_ids for o in out], seconds, cfg, params), flush=True)
 
 
 if __name__ == "__main__":

@@ -178,6 +178,9 @@ FLAGS: dict[str, Flag] = {
                                              "engine's batch (train.bench_answers)", default=32,
                                              help="prompts per shard (one generation batch "
                                                   "per temperature)")}),
+    "--temperatures": _flag(
+        default="0,1", metavar="T,T,...",
+        help="comma-separated sampling temperatures (0 = greedy)"),
     "--batch-sizes": _flag(
         default="1", metavar="B,B,...", help="batch sizes, comma-separated, e.g. 1,8",
         variants={"tpu-fits": variant("its table compares single prompts with batches",

@@ -13,6 +13,8 @@ pinned to the mesh by kvcache.CACHE_AXES):
   generate(...)      -> GenState   whole generation in one jit
   prefill(...)       -> GenState   then decode_chunk(state, ...) -> GenState, donated;
                                    used for streaming and for the in-loop cost probes
+  prefill_caches(...) -> (tokens, caches, last logits), then start(...) -> GenState:
+                                   prefill in two programs, one prefill for several starts
 """
 
 from __future__ import annotations
@@ -50,46 +52,60 @@ def _prefill_level(params, cfg, prompts, positions, max_len: int, mesh):
     return model.run_layers(params, cfg, h, positions, 0, cfg.num_layers, cache)
 
 
-def _first_token(target_params, cfg, h, prompt_lens, dp: DecodeParams, key):
-    """The token after each prompt, drawn from the target's logits at its last position
-    (the head runs on one row per prompt, not P)."""
-    h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
-    last_logits = model.lm_logits(target_params, cfg, h_last, decode=True)[:, 0]
-    return sample(key, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
-
-
-def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams, key,
-             mid_params=(), *, chain: Chain):
-    """Prompts [B, P] (right-padded), prompt_lens [B] >= 1 -> state after the first token.
-
-    The first new token comes from the prefill's target logits, so every later round starts
-    from the invariant "caches hold positions < length - 1" (GenState). Padded prompt
-    positions write junk keys/values, overwritten before any query can attend to them.
-    """
-    spec = chain.spec
+def _prefill_caches(draft_params, target_params, prompts, prompt_lens, mid_params=(), *,
+                    chain: Chain):
+    """Prompts [B, P] (right-padded), prompt_lens [B] >= 1 -> (tokens [B, max_len] holding
+    the prompts, every level's cache of the prompts, the target's logits at each prompt's
+    last position [B, V]): a prefill before its first token is drawn (`_start`)."""
     if len(mid_params) != len(chain.mids):
         raise S2DError(f"{len(chain.mids)} intermediate level(s) in the chain but "
                        f"{len(mid_params)} intermediate params")
     B, P = prompts.shape
     positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     params = (draft_params,) + tuple(mid_params) + (target_params,)
-    caches = [None if cfg is None else
-              _prefill_level(p, cfg, prompts, positions, spec.max_len, chain.mesh)
+    levels = [None if cfg is None else
+              _prefill_level(p, cfg, prompts, positions, chain.spec.max_len, chain.mesh)
               for p, cfg in zip(params, chain.cfgs)]
-    h, _ = caches[-1]
-    key, k_first = jax.random.split(key)
-    first = _first_token(target_params, chain.target, h, prompt_lens, dp, k_first)
-
+    h, _ = levels[-1]
+    h_last = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)
+    # the head runs on one row per prompt, not P
+    last_logits = model.lm_logits(target_params, chain.target, h_last, decode=True)[:, 0]
     valid = jnp.arange(P)[None, :] < prompt_lens[:, None]
-    tokens = jnp.zeros((B, spec.max_len), jnp.int32).at[:, :P].set(jnp.where(valid, prompts, 0))
+    tokens = jnp.zeros((B, chain.spec.max_len), jnp.int32).at[:, :P].set(
+        jnp.where(valid, prompts, 0))
+    caches = [None if c is None else c[1].with_lengths(prompt_lens) for c in levels]
+    return tokens, caches, last_logits
+
+
+def _start(tokens, caches, last_logits, prompt_lens, dp: DecodeParams, key, *,
+           chain: Chain) -> GenState:
+    """A prefill's state after its first token, drawn from `last_logits` with `dp` and
+    `key`: every later round starts from the invariant "caches hold positions <
+    length - 1" (GenState). One prefill can start several requests of the same prompt
+    (the slot engine's two temperatures of a corpus prompt)."""
+    spec = chain.spec
+    B = tokens.shape[0]
+    key, k_first = jax.random.split(key)
+    first = sample(k_first, probs_from_logits(last_logits, dp.sampling), dp.sampling.greedy)
     tokens = tokens.at[jnp.arange(B), prompt_lens].set(first)
     length = prompt_lens + 1
     done = check_done(length, prompt_lens, first == dp.eos_id, dp, spec)
     state = GenState(tokens=tokens, length=length, prompt_len=prompt_lens, done=done,
                      target_cache=None, draft_cache=None, key=key, round=jnp.int32(0),
                      stats=RoundStats.zeros(B, spec))
-    return state.with_caches([None if c is None else c[1].with_lengths(length - 1)
-                              for c in caches])
+    return state.with_caches(caches)
+
+
+def _prefill(draft_params, target_params, prompts, prompt_lens, dp: DecodeParams, key,
+             mid_params=(), *, chain: Chain):
+    """Prompts [B, P] (right-padded), prompt_lens [B] >= 1 -> state after the first token.
+
+    The first new token comes from the prefill's target logits (`_start`). Padded prompt
+    positions write junk keys/values, overwritten before any query can attend to them.
+    """
+    tokens, caches, last_logits = _prefill_caches(draft_params, target_params, prompts,
+                                                  prompt_lens, mid_params, chain=chain)
+    return _start(tokens, caches, last_logits, prompt_lens, dp, key, chain=chain)
 
 
 def _decode_loop(state: GenState, draft_params, target_params, dp: DecodeParams, max_rounds,
@@ -130,6 +146,8 @@ def _jit_per_chain(fn, **jit_kw):
 
 generate = _jit_per_chain(_generate)
 prefill = _jit_per_chain(_prefill)
+prefill_caches = _jit_per_chain(_prefill_caches)
+start = _jit_per_chain(_start)
 decode_chunk = _jit_per_chain(_decode_loop, donate_argnames=("state",))
 
 

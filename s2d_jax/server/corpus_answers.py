@@ -35,9 +35,10 @@ def stream_shards(engine, decoder, tok, shards: list[tuple[int, list[str]]], *, 
 
     template, _ = resolve_template(tok, "auto")
     ahead = engine.slots if ahead is None else ahead
+    # a prompt's temperatures in a row: the slot engine prefills it once for all of them
     todo = collections.deque(
-        (k, j, i, t, p) for k, prompts in shards for j, t in enumerate(ANSWER_TEMPERATURES)
-        for i, p in enumerate(prompts))
+        (k, j, i, t, p) for k, prompts in shards for i, p in enumerate(prompts)
+        for j, t in enumerate(ANSWER_TEMPERATURES))
     open_shards: dict[int, dict] = {}  # k -> {"prompts", "rows": {(j, i): row}, "jobs"}
     sizes = {k: len(prompts) * len(ANSWER_TEMPERATURES) for k, prompts in shards}
 

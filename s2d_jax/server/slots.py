@@ -11,8 +11,10 @@ lookup, ladder, polybasic chains).
 One batch state lives on the device, with as many rows as the smallest row bucket
 (`row_buckets`: powers of two up to `slots`) that holds the busy slots, which stay at
 the front: a round computes every row of the batch, so one request alone decodes at
-batch 1, not at `slots`. A request is prefilled alone (engine.prefill at batch 1, its
-prompt padded to a width bucket) and written into the first free row (programs.insert),
+batch 1, not at `slots`. A request is prefilled alone (engine.prefill_caches at batch 1,
+its prompt padded to a width bucket; engine.start draws its first token, so a request with
+the prompt of the one before reuses its caches) and written into the first free row
+(programs.insert),
 the batch growing to the next bucket when it is full (programs.resize); `step()` then
 runs one chunk of `chunk_rounds` rounds for every busy row (engine.decode_chunk: rows of
 different lengths, ragged acceptance, each at its own positions), reads back the tokens
@@ -36,12 +38,13 @@ the answers do not depend on the choice.
 
 Per row: max_new_tokens, temperature and top_p are traced arrays (a setting never
 recompiles). Compiled programs, all made by `warm()`: prefill once per prompt-width
-bucket (`buckets`: width_buckets; twice with a draft: with and without it); per row
+bucket (`buckets`: width_buckets) and the first token's draw once (both twice with a
+draft: with and without it); per row
 bucket insert (of both prefills), release,
 move, the draft's catch-up and the chunk twice per program (the greedy one, which skips
 the softmaxes, whenever every busy row is greedy; the sampling one otherwise); a resize
-per pair of row buckets. Prefill always runs the sampling program: at temperature 0 it
-draws the argmax, so one program serves both.
+per pair of row buckets. The first token's draw always runs the sampling program: at
+temperature 0 it draws the argmax, so one program serves both.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ class SlotEngine:
         self.chunks = collections.Counter()  # chunks run: speculative / ar
         self.rows = self.row_buckets[0]
         self.state = self._empty(self.rows)
+        self.prefilled = None  # ((prompt ids, draft), engine.prefill_caches output): _prefill
 
     def _empty(self, rows: int):
         args = self._prefill_args(np.ones((rows, self.buckets[0]), np.int32),
@@ -316,13 +320,31 @@ class SlotEngine:
         return self.policy.speculate(self._bucket(self.active() + 1))
 
     def _prefill(self, r: Request, draft: bool = True):
-        n = len(r.prompt_ids)
-        width = next(w for w in self.buckets if w >= n)
+        """The request's one-row state after its first token. The prompt's caches are
+        kept while the next waiting request has the same prompt (a corpus prompt at two
+        temperatures), which then only draws its own first token."""
+        chain = self.chain if draft else self.ar
+        key = (r.prompt_ids, draft)
+        if self.prefilled is None or self.prefilled[0] != key:
+            self.prefilled = None  # (its memory goes before the next prefill's)
+            self.prefilled = (key, self._prefill_caches(r.prompt_ids, draft))
+        one = engine.start(*self.prefilled[1], jax.device_put(np.array([len(r.prompt_ids)],
+                                                                         np.int32)),
+                           self._request_dp(r), jax.random.key(r.seed), chain=chain)
+        if not (self.waiting and self.waiting[0].request.prompt_ids == r.prompt_ids):
+            self.prefilled = None
+        return one
+
+    def _prefill_caches(self, prompt_ids, draft: bool = True, width: int | None = None):
+        """engine.prefill_caches of one prompt, padded to its width bucket (or `width`)."""
+        n = len(prompt_ids)
+        width = width or next(w for w in self.buckets if w >= n)
         arr = np.zeros((1, width), np.int32)
-        arr[0, :n] = r.prompt_ids
-        args = self._prefill_args(arr, np.array([n], np.int32), self._request_dp(r), r.seed,
-                                  draft)
-        return engine.prefill(*args, chain=self.chain if draft else self.ar)
+        arr[0, :n] = prompt_ids
+        d = self.decoder
+        return engine.prefill_caches(self.draft_params if draft else None, d.target_params,
+                                     jax.device_put(arr), jax.device_put(np.array([n], np.int32)),
+                                     d.mid_params, chain=self.chain if draft else self.ar)
 
     def _collect(self) -> None:
         s = self.state

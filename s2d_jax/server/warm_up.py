@@ -27,9 +27,7 @@ def warm(eng) -> dict:
     one_ar = compile_prefills(eng, lazy, counts)
     # a row that decodes to the end of its buffer: every round of a measured chunk runs
     long = Request((1,), max_new_tokens=eng.max_len - 2)
-    one = engine.prefill(*eng._prefill_args(
-        np.ones((1, eng.buckets[0]), np.int32), np.array([1], np.int32),
-        eng._request_dp(long), 0), chain=eng.chain)
+    one = start(eng, eng._prefill_caches((1,)), long, draft=True)
     costs = {True: {}, False: {}}
     for rows in eng.row_buckets:
         for other in eng.row_buckets:
@@ -54,18 +52,25 @@ def warm(eng) -> dict:
 
 
 def compile_prefills(eng, lazy: bool, counts):
-    """The prefill of every prompt width, with the draft and (lazy) without it -> a
-    one-row state prefilled without the draft (None unless lazy)."""
-    dp = eng._request_dp(Request((1,), max_new_tokens=1))
+    """The prefill of every prompt width and its first token, with the draft and (lazy)
+    without it -> a one-row state prefilled without the draft (None unless lazy)."""
+    request = Request((1,), max_new_tokens=1)
     one_ar = None
-    for width in eng.buckets:
-        for draft in (True, False) if lazy else (True,):
-            args = eng._prefill_args(np.ones((1, width), np.int32), np.array([1], np.int32),
-                                     dp, 0, draft)
-            one = engine.prefill(*args, chain=eng.chain if draft else eng.ar)
+    for draft in (True, False) if lazy else (True,):
+        for width in eng.buckets:
+            caches = eng._prefill_caches((1,), draft, width)
             counts["prefill" if draft else "prefill_target_only"] += 1
-            one_ar = one_ar if draft else one
+        one = start(eng, caches, request, draft)
+        counts["first_token" if draft else "first_token_target_only"] += 1
+        one_ar = one_ar if draft else one
     return one_ar
+
+
+def start(eng, caches, request: Request, draft: bool):
+    """engine.start of `request` (prompt length 1) from engine.prefill_caches' output."""
+    return engine.start(*caches, jax.device_put(np.array([1], np.int32)),
+                        eng._request_dp(request), jax.random.key(0),
+                        chain=eng.chain if draft else eng.ar)
 
 
 def filled(eng, one, rows: int):
