@@ -78,6 +78,12 @@ def test_width_buckets():
     assert width_buckets(100) == (16, 32, 64, 100)
     assert width_buckets(16) == (16,)
     assert width_buckets(1280) == (16, 32, 64, 128, 256, 512, 768, 1024, 1280)
+    # the corpus generator's: each width at most 25% above the one before, in steps of 16
+    fine = width_buckets(512, 0.25)
+    assert fine == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 240, 288, 352, 432, 512)
+    assert all(b - a <= max(16, a // 4) for a, b in zip(fine[:-2], fine[1:-1]))
+    with pytest.raises(S2DError, match="growth"):
+        width_buckets(512, 0.0)
 
 
 def test_s2d_slots_equal_alone_and_never_compile_after_warm_up(s2d_engine):

@@ -140,6 +140,11 @@ def new_run_prompts(args, fp: str, decoder, tok, log) -> tuple[list[str], dict]:
     return chosen, {"magpie_turns_kept": len(turns), "pool": counts, "chosen": len(chosen)}
 
 
+# prompt widths at most 25% apart (server/slots.py width_buckets): a prefill pays for its
+# padding, and the engine's compiles are paid once for hours of answers
+WIDTH_GROWTH = 0.25
+
+
 def answer_engine(args, decoder, tok, prompts: list[str]):
     """(the slot engine answering `prompts`, its description): slots of --slot-len tokens,
     or by default the 99.9th-percentile prompt and its answer (longer ones go to the
@@ -155,7 +160,7 @@ def answer_engine(args, decoder, tok, prompts: list[str]):
         max_len = round_up(int(long) + args.max_new_tokens, BUFFER_BUCKET)
     max_len = min(max_len, decoder.context)
     engine = SlotEngine(decoder, tok, slots=args.slots, max_len=max_len,
-                        eos_id=end_of_turn_id(tok, template))
+                        eos_id=end_of_turn_id(tok, template), width_growth=WIDTH_GROWTH)
     return engine, f"slot engine, {args.slots} slots of {max_len} tokens"
 
 

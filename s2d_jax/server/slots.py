@@ -77,14 +77,22 @@ from s2d_jax import validate
 LONG_PROMPT_STEP = 256
 
 
-def width_buckets(max_len: int) -> tuple[int, ...]:
+def width_buckets(max_len: int, growth: float | None = None) -> tuple[int, ...]:
     """Padded prompt widths: powers of two from PROMPT_BUCKET up to 2 * LONG_PROMPT_STEP,
     then steps of LONG_PROMPT_STEP, the last one max_len (a prompt needs a slot for at
-    least one new token: it is shorter than max_len)."""
+    least one new token: it is shorter than max_len). With `growth` (the corpus
+    generator's, where compiles are paid once for hours of prefills), each width is at
+    most that fraction above the one before, in multiples of PROMPT_BUCKET: 0.25 pads
+    magpie0's prompts by 10% where powers of two pad them by 50%."""
+    if growth is not None and not 0 < growth <= 1:
+        raise S2DError(f"width growth {growth} must be in (0, 1]")
     widths, w = [], PROMPT_BUCKET
     while w < max_len:
         widths.append(w)
-        w = w * 2 if w < 2 * LONG_PROMPT_STEP else w + LONG_PROMPT_STEP
+        if growth is not None:
+            w += PROMPT_BUCKET * max(1, int(w * growth) // PROMPT_BUCKET)
+        else:
+            w = w * 2 if w < 2 * LONG_PROMPT_STEP else w + LONG_PROMPT_STEP
     return tuple(widths) + (max_len,)
 
 
@@ -104,7 +112,7 @@ class SlotEngine:
 
     def __init__(self, decoder, tokenizer, *, slots: int = 4, max_len: int | None = None,
                  chunk_rounds: int = 4, eos_id: int | None = None, seed: int = 0,
-                 adaptive: bool = True):
+                 adaptive: bool = True, width_growth: float | None = None):
         from s2d_jax.decode.defaults import eos_id_or_default
         validate.integer(slots, "slots", 1)
         validate.integer(chunk_rounds, "chunk_rounds", 1)
@@ -118,7 +126,7 @@ class SlotEngine:
         self.slots, self.max_len, self.chunk_rounds = slots, max_len, chunk_rounds
         self.chain = decoder.chain.with_max_len(max_len)
         self.spec = self.chain.spec
-        self.buckets = width_buckets(max_len)
+        self.buckets = width_buckets(max_len, width_growth)
         self.eos_id = eos_id_or_default(eos_id, decoder.target_cfg)
         self.draft_params = engine.split_draft(decoder.draft_params, chain=self.chain) \
             if decoder.draft_params is not None else None
