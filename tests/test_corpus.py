@@ -282,6 +282,33 @@ def test_generation_refuses_bad_input(tmp_path, capsys):
         "--corpus", str(tmp_path / "c"), "--commit"])
 
 
+def test_a_new_run_leaves_out_the_prompts_of_earlier_runs(tiny, tmp_path, capsys):
+    """A second run over the same files would answer every prompt again (greedy: the same
+    rows): it is refused with the fix; with one new prompt it plans that one alone and
+    records how many it left out."""
+    from tiny_models import cli_error
+    from train import corpus_generate
+    c = tmp_path / "c"
+    argv = ["--target", str(tiny / "target"), "--name", "tiny", "--corpus", str(c),
+            "--batch-size", "2", "--max-new-tokens", "3", "--slots", "0", "--max-shards", "1",
+            "--heldout", os.path.join(ROOT, "data", "demo_calibration.jsonl")]
+    corpus_generate.main(argv + ["--work", str(tmp_path / "w0"), "--run", "r0",
+                                 "--prompts", str(tiny / "prompts.jsonl")])
+    again = argv + ["--work", str(tmp_path / "w1"), "--run", "r1",
+                    "--prompts", str(tiny / "prompts.jsonl")]
+    assert "every prompt of run r1 is in an earlier run" in cli_error(
+        corpus_generate.main, capsys, again)
+    assert set(corpus.read_manifest(str(c))["runs"]) == {"r0"}  # nothing planned
+    more = tmp_path / "more.jsonl"
+    more.write_text((tiny / "prompts.jsonl").read_text()
+                    + json.dumps({"question": "Name a river."}) + "\n")
+    corpus_generate.main(argv + ["--work", str(tmp_path / "w2"), "--run", "r1",
+                                 "--prompts", str(more)])
+    assert corpus.read_prompts(str(c), "r1") == ["Name a river."]
+    pool = corpus.read_manifest(str(c))["runs"]["r1"]["prompt_source"]["pool"]
+    assert pool["in_earlier_runs"] == 5 and pool["kept"] == 6
+
+
 SMOLLM2 = smollm2_dir()
 COMMITTED = os.path.join("data", "smollm2_corpus")
 

@@ -10,7 +10,8 @@ progress. Rerun the same command (on any machine, from a clone) to continue the 
 
 A new run builds its prompts as the data engine's prompt stages do (train/data_engine.py:
 --magpie user turns the target writes itself, plus the --prompts files, deduplicated and
-without any 8-gram of Spec-Bench, GSM8K test, the calibration prompts or --heldout), draws
+without any 8-gram of Spec-Bench, GSM8K test, the calibration prompts or --heldout), drops
+the prompts of the corpus's earlier runs (a next run: other Magpie turns, --seed), draws
 --answers of them in seeded batches of similar length and stores them in the corpus
 (RUN.prompts.jsonl.xz), so continuing a run needs neither --work's cache nor Magpie again.
 """
@@ -123,8 +124,11 @@ def run_plan(args, prompt_counts: dict) -> dict:
                               **prompt_counts}}
 
 
-def new_run_prompts(args, fp: str, decoder, tok, log) -> tuple[list[str], dict]:
-    """(a new run's prompts in shard order, their counts): the data engine's stages."""
+def new_run_prompts(args, fp: str, decoder, tok, log, earlier: set[str] = frozenset()
+                    ) -> tuple[list[str], dict]:
+    """(a new run's prompts in shard order, their counts): the data engine's stages, less
+    the prompts of the corpus's `earlier` runs (a second run with the same files would
+    answer them again: its greedy rows the same rows)."""
     from s2d_jax.data import engine
     from s2d_jax.data.overlap import EVAL_FILES
     from s2d_jax.data.prompt_pool import prompt_pool
@@ -136,8 +140,15 @@ def new_run_prompts(args, fp: str, decoder, tok, log) -> tuple[list[str], dict]:
                  if args.magpie else [])
         pool = engine.prompts_stage(args.work, fp, args.prompts, turns, eval_files, log)
     counts = prompt_pool(args.prompts, turns, eval_files)[1]
-    chosen = engine.chosen_prompts(pool, args.answers, args.batch_size, args.seed)
-    return chosen, {"magpie_turns_kept": len(turns), "pool": counts, "chosen": len(chosen)}
+    fresh = [p for p in pool if p not in earlier]
+    if not fresh:
+        raise S2DError(f"every prompt of run {args.run} is in an earlier run of "
+                       f"{args.corpus}; ask for new Magpie turns (--magpie N with another "
+                       f"--seed) or pass other --prompts")
+    chosen = engine.chosen_prompts(fresh, args.answers, args.batch_size, args.seed)
+    return chosen, {"magpie_turns_kept": len(turns),
+                    "pool": {**counts, "in_earlier_runs": len(pool) - len(fresh)},
+                    "chosen": len(chosen)}
 
 
 # prompt widths at most 25% apart (server/slots.py width_buckets): a prefill pays for its
@@ -224,7 +235,9 @@ def generate(args, log) -> dict:
         mine["prompt_source"] = plan["prompt_source"]  # counts come from the stored run
         log(f"[corpus] resuming run {args.run}: {len(prompts)} prompts from the corpus")
     else:
-        prompts, counts = new_run_prompts(args, fp, decoder, tok, log)
+        earlier = {p for run in (manifest or {}).get("runs", {})
+                   for p in corpus.read_prompts(args.corpus, run)}
+        prompts, counts = new_run_prompts(args, fp, decoder, tok, log, earlier)
         mine = run_plan(args, counts)
     manifest = corpus.start_run(args.corpus, target, args.run, mine, prompts)
     if args.commit:
