@@ -7,7 +7,7 @@ shapes (no weights read or allocated) and print per-device memory and compile ti
         --device-memory h100-80gb
 
 --target-config / --draft-config: model YAML, HF dir or config.json (only the shapes are
-read). --topology also compiles for the TPU compiler's compile-only devices of a slice, or
+read); --target / --draft, the model flags of every command, take the same or a model's name. --topology also compiles for the TPU compiler's compile-only devices of a slice, or
 with XLA:GPU for N H100s (h100:N): memory, copies and (TPU) the compiler's round time.
 --device-memory: h100-80gb, h200-141gb, a100-80gb, a100-40gb, tpu-v5e-16gb, tpu-v4-32gb, ...
 or GiB.
@@ -36,10 +36,15 @@ CMD = "aot"  # its s2d subcommand: the name its shared flags are defined for
 
 def _parse(argv):
     p = ArgumentParser(prog="python -m infer.aot", description=__doc__)
-    # the shapes, not models: --target-config / --draft-config (--target is a model elsewhere)
-    add(p, "--target-config", CMD, required=True, dest="target")
-    add_input(p, "--draft-config", default=None, dest="draft",
+    # the shapes: --target-config / --draft-config, or the models every command names with
+    # --target / --draft (only their shapes are read); one of each pair
+    target = p.add_mutually_exclusive_group(required=True)
+    add(target, "--target-config", CMD, dest="target")
+    add(target, "--target", CMD, dest="target")
+    draft = p.add_mutually_exclusive_group()
+    add_input(draft, "--draft-config", default=None, dest="draft",
               help="the draft's shapes, like --target-config (its first --draft-layers layers)")
+    add(draft, "--draft", CMD, dest="draft")
     p.add_argument("--draft-layers", type=int, default=None, help="draft depth (default: exits[-1])")
     for name in ("--exits", "--method", "--gamma", "--mesh", "--batch-sizes", "--context"):
         add(p, name, CMD)
@@ -99,8 +104,9 @@ def _models(args, exits):
     if not row.needs_draft and not args.roofline:
         return target, None, exits or ()
     if args.draft is None:
-        raise S2DError(f"method {args.method} needs --draft-config" if row.needs_draft
-                       else "--roofline compares AR with SD and S2D; pass --draft-config")
+        raise S2DError(f"method {args.method} needs --draft-config (or --draft)"
+                       if row.needs_draft else
+                       "--roofline compares AR with SD and S2D; pass --draft-config (or --draft)")
     draft = _model_cfg(args.draft, args.dtype)
     from s2d_jax.decode.defaults import draft_exits
     stored = draft_exits(_stored_extra(args.draft), draft)

@@ -5,6 +5,8 @@ directory created in the wrong place.
     S2D_JAX_CACHE     the cache root (fetched models, the CPU kernels' library, engine and
                       study dirs by default); unset: ~/.cache/s2d-jax
     S2D_SMALL_MATMUL  1/on/true/yes (default) or 0/off/false/no: the CPU decode kernels
+    S2D_LIBTPU_PATH   a libtpu.so kept out of the environment (as .ci/run installs it), for
+                      --topology's deviceless TPU compiles (s2d_jax/parallel/topology.py)
 """
 
 from __future__ import annotations

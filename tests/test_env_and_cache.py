@@ -133,3 +133,23 @@ def test_the_cpu_kernels_are_the_default_only_where_they_pay(monkeypatch, flags,
     finally:
         small_matmul.preferred.cache_clear()
         small_matmul._load.cache_clear()
+
+
+def test_libtpu_kept_apart_is_found_and_a_wrong_path_is_one_error(monkeypatch, tmp_path):
+    """S2D_LIBTPU_PATH (.ci/run's libtpu outside the environment) becomes the compiler's
+    TPU_LIBRARY_PATH for --topology; naming no file is one error and sets nothing."""
+    from s2d_jax.errors import S2DError
+    from s2d_jax.parallel import topology
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    monkeypatch.setenv("S2D_LIBTPU_PATH", str(tmp_path / "missing.so"))
+    with pytest.raises(S2DError, match="S2D_LIBTPU_PATH=.* is no file"):
+        topology.prepare("v5e:2x2")
+    assert "TPU_LIBRARY_PATH" not in os.environ
+    lib = tmp_path / "libtpu.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("S2D_LIBTPU_PATH", str(lib))
+    for name in ("TPU_SKIP_MDS_QUERY", "TPU_WORKER_HOSTNAMES", "TPU_HOST_BOUNDS",
+                 "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    topology.prepare("v5e:2x2")
+    assert os.environ["TPU_LIBRARY_PATH"] == str(lib)

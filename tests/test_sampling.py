@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from s2d_jax.decode.sampling import (SAMPLE_BLOCK, SamplingParams, confidence, filter_top_k,
+                                     sample_gumbel,
                                      filter_top_p, probs_from_logits, sample, speculative_verify,
                                      vocab_argmax)
 
@@ -96,10 +97,12 @@ def test_verify_output_is_distributed_as_p(greedy_draft):
     assert bad < 1e-6
 
 
-def test_sample_draws_probs_across_blocks_and_never_a_zero():
-    """The blockwise inverse-CDF draw: chi-square against probs spread over three blocks
-    (the last one short), with zeros at block starts and ends and inside, unnormalized;
-    a zero-probability token is never drawn, also when all mass sits on the last token."""
+@pytest.mark.parametrize("sample", [sample, sample_gumbel], ids=["cpu-blockwise", "gumbel"])
+def test_sample_draws_probs_across_blocks_and_never_a_zero(sample):
+    """The draw (on CPU the blockwise inverse CDF; elsewhere the Gumbel-max draw, called
+    here directly): chi-square against probs spread over three blocks (the last one short),
+    with zeros at block starts and ends and inside, unnormalized; a zero-probability token
+    is never drawn, also when all mass sits on the last token."""
     V, n = 2 * SAMPLE_BLOCK + 37, 400_000
     rng = np.random.default_rng(0)
     weights = np.zeros(V, np.float32)

@@ -198,6 +198,14 @@ def model_arg(text: str) -> str:
     return resolve_model(text)
 
 
+def model_or_input_arg(text: str) -> str:
+    """argparse `type` of a model flag that also takes a shipped file (aot's --target /
+    --draft: a model's name, or a path such as configs/models/x.yaml found from any
+    directory)."""
+    from s2d_jax.env import MODEL_NAMES
+    return model_arg(text) if text in MODEL_NAMES else input_arg(text)
+
+
 def input_arg(text: str) -> str:
     """argparse `type` of input path flags: path_arg, and a relative path that does not
     exist here but names a file the project ships (data/..., configs/...) is that file

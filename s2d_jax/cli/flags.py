@@ -75,6 +75,8 @@ _NAMED_TARGET = variant(
     help=f"the target model: an HF dir, params checkpoint or .gguf, {TARGET_NAME}; NAME= names it")
 _SMOLLM2_PIPELINE = variant("these pipelines train and study SmolLM2's draft",
                             default="smollm2")
+_SHAPES_ONLY = ("aot compiles a model's shapes and reads none of its weights, so a model YAML "
+                "or a config.json names a model as well as a dir does")
 
 FLAGS: dict[str, Flag] = {
     # --- models ------------------------------------------------------------------------
@@ -83,7 +85,11 @@ FLAGS: dict[str, Flag] = {
         help=f"the target model: an HF dir, params checkpoint or .gguf, {TARGET_NAME}",
         variants={**_each("generate bench", _SEVERAL_TARGETS),
                   **_each("calibrate calibrate-lookup", _NAMED_TARGET),
-                  **_each("train-smollm2-draft data-engine scaling-study corpus-generate", _SMOLLM2_PIPELINE)}),
+                  **_each("train-smollm2-draft data-engine scaling-study corpus-generate", _SMOLLM2_PIPELINE),
+                  "aot": variant(_SHAPES_ONLY, type=cli_args.model_or_input_arg, help=(
+                      f"the target whose shapes are compiled: an HF dir, a model YAML "
+                      f"(configs/models/*.yaml) or a config.json, {TARGET_NAME}; as "
+                      f"--target-config"))}),
     "--draft": _flag(
         "input", type=cli_args.model_arg, metavar="MODEL", default=None,
         help="the sorted draft: a draft pack or model dir, a path or a name (smollm2-draft: "
@@ -92,7 +98,11 @@ FLAGS: dict[str, Flag] = {
                                        action="append",
                                        help="a sorted draft: a draft pack or model dir, a "
                                             "path or a name (smollm2-draft); repeat to "
-                                            "compare drafts")}),
+                                            "compare drafts"),
+                  "aot": variant(_SHAPES_ONLY, type=cli_args.model_or_input_arg, help=(
+                      "the draft whose shapes are compiled (its first --draft-layers "
+                      "layers): a draft pack or model dir, a model YAML or a config.json, a "
+                      "path or a name (smollm2-draft); as --draft-config"))}),
     "--target-config": _flag(
         "input", default=None,
         help="the shapes to compile for: a model YAML (configs/models/*.yaml), an HF dir or a "

@@ -22,12 +22,16 @@ from flax import struct
 
 CONFIDENCE_KINDS = ("max_prob", "entropy")
 
-# Vocabulary-wide argmax and draws work in blocks of SAMPLE_BLOCK tokens: a draw inverts
-# the cumulative distribution in two steps, the block by the blocks' cumulative mass, then
-# the token inside it (one uniform number per row and two short prefix sums), where a
-# Gumbel-max draw (jax.random.categorical) makes a random number and two logarithms for
-# every vocabulary entry: at 32 rows x 49152 on a 2-core CPU, 21 ms, a third of a sampled
-# 135M-model decode round (docs/results.md).
+# On CPU, vocabulary-wide argmax and draws work in blocks of SAMPLE_BLOCK tokens: a draw
+# inverts the cumulative distribution in two steps, the block by the blocks' cumulative
+# mass, then the token inside it (one uniform number per row and two short prefix sums),
+# where a Gumbel-max draw (jax.random.categorical) makes a random number and two logarithms
+# for every vocabulary entry: at 32 rows x 49152 on a 2-core CPU, 21 ms, a third of a
+# sampled 135M-model decode round (docs/results.md). Elsewhere the plain reductions stay
+# (lax.platform_dependent): a vocabulary sharded over a mesh's tensor axis does not split
+# into the blocks along its shards, and the TPU compiler gathered logits and the head for
+# them (a v5e:2x2 SD round, vocabulary 32000 over 4 chips: 18.5 GiB of HBM traffic for a
+# 0.36 GiB minimum; docs/distributed.md).
 SAMPLE_BLOCK = 256
 
 
@@ -89,9 +93,17 @@ def vocab_argmax(x: jnp.ndarray) -> jnp.ndarray:
     the first NaN if any), found blockwise: the block with the largest maximum, then the
     position in it. XLA:CPU's argmax reduces value and index pairs one lane at a time
     (3.5 ms at 32 x 49152); a maximum vectorizes (0.25 ms blockwise)."""
+    if x.shape[-1] <= SAMPLE_BLOCK:
+        return _argmax(x)
+    return jax.lax.platform_dependent(x, cpu=_blockwise_argmax, default=_argmax)
+
+
+def _argmax(x: jnp.ndarray) -> jnp.ndarray:
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def _blockwise_argmax(x: jnp.ndarray) -> jnp.ndarray:
     *lead, V = x.shape
-    if V <= SAMPLE_BLOCK:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
     rows, nb = math.prod(lead), -(-V // SAMPLE_BLOCK)
     blocks = jnp.pad(x.reshape(rows, V), ((0, 0), (0, nb * SAMPLE_BLOCK - V)),
                      constant_values=-jnp.inf).reshape(rows, nb, SAMPLE_BLOCK)
@@ -150,10 +162,24 @@ def _inverse_cdf(mass: jnp.ndarray, u: jnp.ndarray) -> tuple[jnp.ndarray, jnp.nd
 
 def sample(key: jax.Array, probs: jnp.ndarray, greedy: bool = False) -> jnp.ndarray:
     """Draw one token per row from probs [..., V] (zero-probability tokens are never drawn):
-    inverse-CDF sampling, blockwise (SAMPLE_BLOCK). probs need not sum to 1.
+    on CPU inverse-CDF sampling, blockwise (SAMPLE_BLOCK), elsewhere a Gumbel-max draw over
+    the log-probabilities. probs need not sum to 1.
     greedy (static): probs are one-hot, so the draw is their argmax (no random numbers)."""
     if greedy:
         return vocab_argmax(probs)
+    return jax.lax.platform_dependent(key, probs, cpu=sample_blockwise, default=sample_gumbel)
+
+
+def sample_gumbel(key: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
+    """sample's draw off the CPU: jax.random.categorical over log probs (log 0 = -inf is
+    never drawn), whose one reduction over the vocabulary stays within its shards."""
+    p = probs.astype(jnp.float32)
+    logits = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_blockwise(key: jax.Array, probs: jnp.ndarray) -> jnp.ndarray:
+    """sample's draw on the CPU: the inverse CDF, a block, then a token inside it."""
     *lead, V = probs.shape
     p = probs.reshape(-1, V).astype(jnp.float32)
     rows, nb = p.shape[0], -(-V // SAMPLE_BLOCK)

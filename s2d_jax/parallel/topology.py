@@ -42,9 +42,17 @@ def prepare(name: str = "") -> None:
                            f"jax-cuda12-plugin jax-cuda12-pjrt (no GPU is needed to compile)")
         _cpu_backend()
         return
+    # libtpu kept out of the environment (.ci/run's S2D_LIBTPU_PATH) is libtpu all the same
+    kept_apart = os.environ.get("S2D_LIBTPU_PATH")
+    if kept_apart and not os.environ.get("TPU_LIBRARY_PATH"):
+        if not os.path.isfile(kept_apart):
+            raise S2DError(f"S2D_LIBTPU_PATH={kept_apart} is no file; point it at a libtpu.so "
+                           f"(pip install --no-deps --target DIR libtpu: DIR/libtpu/libtpu.so)")
+        os.environ["TPU_LIBRARY_PATH"] = kept_apart
     if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
         raise S2DError("--topology needs the TPU compiler: pip install -e '.[tpu]' "
-                       "(libtpu; no TPU is needed to compile)")
+                       "(libtpu; no TPU is needed to compile), or S2D_LIBTPU_PATH naming a "
+                       "libtpu.so kept out of the environment")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # This host as a one-host slice without chips: libtpu otherwise prints several lines
     # (no accelerator type, no worker hostnames) on loading; the compile-only topology is
