@@ -83,14 +83,19 @@ def _model_cfg(path: str, dtype: str | None):
     if not os.path.exists(path):
         raise S2DError(f"model config {path} does not exist; pass a model YAML "
                        f"(configs/models/*.yaml), an HF dir or a config.json")
-    cfg = load_model_config(path)
+    from s2d_jax.io.draft_pack import is_draft_pack, read_pack_config
+    cfg = read_pack_config(path)[0] if is_draft_pack(path) else load_model_config(path)
     return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype) if dtype else cfg
 
 
 def _stored_extra(path: str) -> dict:
-    """A model dir's `s2d_*` settings (a draft's s2d_exits); none for a YAML or a file."""
+    """A model dir's or draft pack's `s2d_*` settings (a draft's s2d_exits); none for a
+    YAML or a file."""
     if not os.path.isdir(path):
         return {}
+    from s2d_jax.io.draft_pack import is_draft_pack, read_pack_config
+    if is_draft_pack(path):
+        return read_pack_config(path)[1]
     from s2d_jax.io.hf import read_hf_model_config
     return read_hf_model_config(path)[1]
 

@@ -75,6 +75,34 @@ def _cli(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
 
+def test_model_flags_name_a_draft_pack_and_its_stored_exits(tmp_path):
+    """aot's --target / --draft take what every command's model flags take: the committed
+    draft pack by name (its sidecar's shapes and stored exits: no config.json), and the
+    target's shapes from a config.json; one of --draft / --draft-config, not both."""
+    import json
+    from s2d_jax.io.draft_pack import read_pack_config
+    cfg = dataclasses.asdict(read_pack_config(os.path.join(ROOT, "models/smollm2-draft"))[0])
+    hf = {"model_type": "llama", "vocab_size": cfg["vocab_size"],
+          "hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
+          "num_hidden_layers": 6, "num_attention_heads": cfg["num_heads"],
+          "num_key_value_heads": cfg["num_kv_heads"], "max_position_embeddings": 512,
+          "rms_norm_eps": cfg["rms_norm_eps"], "rope_theta": cfg["rope_theta"],
+          "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = [sys.executable, "-m", "infer.aot", "--fake-devices", "1", "--mesh", "tensor=1",
+           "--context", "128", "--method", "s2d", "--gamma", "2",
+           "--target", str(tmp_path / "config.json")]
+    proc = subprocess.run([*run, "--draft", "smollm2-draft"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"^draft: .* 4 layers .*exits \[2, 4\]", proc.stdout, re.M), proc.stdout
+    assert "fits" in proc.stdout
+    both = subprocess.run([*run, "--draft", "smollm2-draft", "--draft-config", "x.yaml"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr, both.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target-config", "configs/models/tiny.yaml", "--draft-config", "configs/models/tiny.yaml",
       "--mesh", "tensor=8"], "error: mesh tensor=8 does not divide target.num_heads=4"),
