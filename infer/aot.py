@@ -83,8 +83,10 @@ def _model_cfg(path: str, dtype: str | None):
     if not os.path.exists(path):
         raise S2DError(f"model config {path} does not exist; pass a model YAML "
                        f"(configs/models/*.yaml), an HF dir or a config.json")
-    from s2d_jax.io.draft_pack import is_draft_pack, read_pack_config
-    cfg = read_pack_config(path)[0] if is_draft_pack(path) else load_model_config(path)
+    from s2d_jax.io.checkpoint import stored_model_config
+    # a model YAML or config.json is shapes alone; anything else a stored model of any format
+    cfg = (load_model_config(path) if path.endswith((".yaml", ".yml", ".json"))
+           else stored_model_config(path))
     return dataclasses.replace(cfg, dtype=dtype, param_dtype=dtype) if dtype else cfg
 
 
