@@ -33,7 +33,7 @@ import json
 import os
 import time
 
-from s2d_jax.cli.args import ArgumentParser, finite_number, parse_targets
+from s2d_jax.cli.args import ArgumentParser, parse_targets
 from s2d_jax.cli.flags import add
 from s2d_jax.env import smollm2_dir
 from s2d_jax.decode.methods import CALIBRATED, DEFAULT_GAMMA, PAPER_METHODS, has, methods_where
@@ -72,9 +72,7 @@ def _parse(argv):
     p.add_argument("--windows", type=int, default=None, metavar="N",
                    help=f"(b) times verify windows 1..N (default {WINDOWS[False]}; "
                         f"{WINDOWS[True]} with --allow-cpu on a CPU); at least gamma + 1")
-    p.add_argument("--train-minutes", type=finite_number, default=None, metavar="N",
-                   help="also train the SmolLM2 sorted draft for N minutes, logging its "
-                        "held-out agreement (c)")
+    add(p, "--train-minutes", "device-check")
     return p.parse_args(argv)
 
 

@@ -162,8 +162,10 @@ def _cases():
     return out
 
 
-def _case_path(case, kind, inp, ws):
-    """(the output's value, the error's keyword, or None where the case is valid)."""
+def _case_path(case, kind, inp, ws, replaces=False):
+    """(the output's value, the error's keyword, or None where the case is valid);
+    `replaces`: an output the command keeps up to date as its own (add_output's
+    overwrite=True), which never asks for --overwrite."""
     if case == "is":
         return inp, "is the input"
     if case == "contains":
@@ -183,7 +185,7 @@ def _case_path(case, kind, inp, ws):
         return "/proc/self/s2d-out/x", "cannot be written"
     foreign = str(ws / "foreign")
     return foreign, {FILE: "is a directory", DIR: "did not write", CACHE: None}.get(
-        kind, "already exists")
+        kind, "will not replace it" if replaces else "already exists")
 
 
 @pytest.fixture
@@ -204,7 +206,8 @@ def test_no_output_escapes_the_rule(module, words, flag, case, ws, capsys):
     inputs = [a for p in parsers for a in p._actions if hasattr(a, "s2d_input")]
     inp = inputs[0] if inputs else None  # the command's first path flag it reads
     inp_path = _input_path(inp, ws) if inp else str(ws / "in" / "none")
-    value, keyword = _case_path(case, out_action.s2d_output[0], inp_path, ws)
+    value, keyword = _case_path(case, out_action.s2d_output[0], inp_path, ws,
+                                out_action.s2d_output[1] is True)
     given = [inp.option_strings[0], inp_path] if inp else []
     argv = [*words, *_fill(parsers, {out_action, inp}, ws), *given, flag, value]
     before = snapshot(ws)

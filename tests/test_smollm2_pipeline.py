@@ -1,5 +1,5 @@
 """train.smollm2_draft's own steps on the demo family: the exits kept by measurement, the
-pack's copy of the calibrated setting, bad flags."""
+pack's copy of the calibrated setting, bad flags, a run spread over sessions."""
 
 import json
 import os
@@ -61,3 +61,58 @@ def test_a_bad_exit_choice_is_one_error_line(tmp_path, capsys):
     err = cli_error(smollm2_draft.main, capsys, ["--target", str(tmp_path), "--exit-choice",
                                                  "best", "--out", str(tmp_path / "pack")])
     assert "--exit-choice" in err and "auto" in err
+
+
+@pytest.mark.slow  # four short SoFT runs of a tiny target (~1 min on the loaded 2-core CPU)
+def test_a_run_over_sessions_commits_its_progress_and_continues_on_a_new_machine(
+        tmp_path, monkeypatch, capsys):
+    """--train-minutes stops SoFT and packs every trained exit into --progress; with --work
+    gone (a new machine) the same command continues from it at its step; the whole run
+    ends in --out with the recipe of every session."""
+    import shutil
+
+    import numpy as np
+
+    from s2d_jax.data import corpus
+    from s2d_jax.io.checkpoint import checkpoint_kind
+    from s2d_jax.train.loop import RECIPE
+    from test_corpus import TARGET as TINY, make_corpus
+    from tiny_models import tiny_target
+    import jax
+
+    from s2d_jax.train import loop
+    monkeypatch.setattr(smollm2_draft, "CALIBRATION_PROMPTS",
+                        os.path.join(ROOT, "data", "demo_calibration.jsonl"))
+    whole_train = loop.train  # the tests' 8 host devices: the pipeline's mesh is one
+    monkeypatch.setattr(loop, "train", lambda tc: whole_train(tc, devices=jax.devices()[:1]))
+    target = tiny_target(str(tmp_path / "target"))
+    make_corpus(tmp_path / "c")
+    assert corpus.read_manifest(str(tmp_path / "c"))["target"] == TINY
+    progress, out, work = tmp_path / "progress", tmp_path / "out", tmp_path / "work"
+    argv = ["--target", target, "--work", str(work), "--out", str(out), "--progress",
+            str(progress), "--train-corpus", str(tmp_path / "c"), "--train-exits", "1,3",
+            "--head-vocab", "0", "--steps", "3", "--exit-choice", "all",
+            "--skip-calibration"]
+    smollm2_draft.main(argv + ["--train-minutes", "1e-9"])  # a budget spent at step 1
+    said = capsys.readouterr().out
+    assert "stopped at step 1 of 3" in said and f"progress in {progress}" in said
+    assert checkpoint_kind(str(progress)) == "draft-pack" and not out.exists()
+    assert json.loads((progress / RECIPE).read_text())["steps"] == 1
+    # a new machine: --work is gone; the next session continues at step 1, stops at 2
+    shutil.rmtree(work)
+    smollm2_draft.main(argv + ["--train-minutes", "1e-9"])
+    said = capsys.readouterr().out
+    assert "this run's progress at step 1" in said and "stopped at step 2 of 3" in said
+    assert json.loads((progress / RECIPE).read_text())["steps"] == 2
+    # the same machine: its checkpoint resumes exactly; the run ends and is packed to --out
+    smollm2_draft.main(argv)
+    said = capsys.readouterr().out
+    assert "stopped at" not in said and f"[pack] wrote {out}" in said
+    recipe = json.loads((out / RECIPE).read_text())
+    assert recipe["steps"] == 3 and recipe["start"] == "resumed from its checkpoint at step 2"
+    assert np.isfinite(json.loads((work / "metrics.jsonl").read_text().splitlines()[-1])["loss"])
+    # another run (other exits) may not continue this one's progress
+    shutil.rmtree(work)
+    err = cli_error(smollm2_draft.main, capsys,
+                    ["2,3" if a == "1,3" else a for a in argv] + ["--overwrite"])
+    assert "is the progress of a run made with draft.exits=[1, 3]" in err

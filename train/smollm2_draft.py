@@ -15,7 +15,10 @@ the committed draft pack, calibration.
 4. SoFT (configs/train/smollm2_draft.yaml): the target's first exits[-1] layers, one loss
    per exit averaged (each (1 - w) CE on the answer tokens + w CE on the target's
    distribution, w = --kd-weight), the tied embedding frozen (shared with the target);
-   resumes from WORK/ckpt.
+   resumes from WORK/ckpt. A run longer than a session: --train-minutes stops it (the
+   checkpoint saved) and packs every trained exit into --progress, which is committed; a
+   later session reruns the same command and continues from WORK/ckpt, or, on a new
+   machine, from --progress at its step and data position (s2d_jax/train/continuation.py).
 5. pack: the exits' teacher-forced agreement with the target on the calibration prompts
    (s2d_jax/bench/agreement.py, as python -m infer.agreement); from the first exit on,
    each deeper exit is kept while it agrees measurably more often than the one before it
@@ -31,7 +34,7 @@ import json
 import os
 import shlex
 
-from s2d_jax.cli.args import ArgumentParser, add_input, finite_number, parse_ints
+from s2d_jax.cli.args import ArgumentParser, add_input, add_output, finite_number, parse_ints
 from s2d_jax.cli.flags import add
 from s2d_jax.errors import cli_main
 from s2d_jax.io.outputs import DIR, DRAFT_PACK
@@ -82,6 +85,12 @@ def parse_args(argv):
               help="with no checkpoint in --work: start from these committed draft weights "
               "(e.g. models/smollm2-draft) rather than the target's first layers; the "
               "optimizer moments, step count and data position are lost")
+    add(ap, "--train-minutes", CMD)
+    add_output(ap, "--progress", kind=DRAFT_PACK, overwrite=True, default=None, metavar="DIR",
+               help="this run's committed progress: written (every trained exit, int8, "
+               "with its recipe) when --train-minutes stops it; read when --work has no "
+               "checkpoint, continuing at its step and data position (only the optimizer "
+               "moments are lost). Commit it between sessions")
     args = ap.parse_args(argv)
     args.target = os.path.expanduser(args.target)
     args.exits = parse_ints(args.train_exits, "--train-exits")
@@ -93,12 +102,16 @@ def parse_args(argv):
     if args.corpus and args.kd_weight > 0:
         ap.error("--kd-weight > 0 needs the teacher states of a rows file; with --corpus "
                  "use --kd-weight 0 (the default)")
+    if args.train_minutes is not None and args.train_minutes <= 0:
+        ap.error(f"--train-minutes must be > 0 (leave it out for no limit), got "
+                 f"{args.train_minutes}")
     for name in ("distill_batches", "steps", "head_vocab", "corpus_shards"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     from s2d_jax.io.outputs import HF_DIR, Output, check_outputs
     check_outputs([Output("--work", args.work, DIR, owner=args.s2d_prog),
                    Output("--out", args.out, DRAFT_PACK, args.overwrite),
+                   Output("--progress", args.progress, DRAFT_PACK, True, "this run"),
                    Output("--work's trained draft", draft_hf_dir(args), HF_DIR, True)],
                   {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
                    "calibration prompts": CALIBRATION_PROMPTS, "config": TRAIN_CONFIG})
@@ -164,13 +177,17 @@ def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
     if args.init_from:
         over.append(f"model.init_from={args.init_from}")
+    if args.progress:
+        over.append(f"model.continue_from={os.path.abspath(args.progress)}")
+    if args.train_minutes:
+        over.append(f"stop_after_minutes={args.train_minutes}")
     tc = load_train_config(TRAIN_CONFIG, over)
     out = train(tc)
     last = out["history"][-1] if out["history"] else None
     if last:
         log(f"[soft] step {last['step']}: exit accuracy " + ", ".join(
             f"{e}: {a:.3f}" for e, a in last["exit_acc"].items()))
-    return tc.export_dir
+    return tc.export_dir, out
 
 
 def choose_exits(args, draft_hf: str, exits, log) -> list[int]:
@@ -190,24 +207,32 @@ def choose_exits(args, draft_hf: str, exits, log) -> list[int]:
     return kept
 
 
-def pack(args, draft_hf: str, log) -> None:
+def write_pack(args, draft_hf: str, out: str, exits, log) -> None:
+    """The draft's layers up to its last exit of `exits` and its norm (int8) + exits + head
+    vocabulary, with the run's recipe (its settings, data slice, steps), to `out`."""
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.draft_pack import save_draft_pack
     from s2d_jax.model.sorted_draft import draft_prefix
+    from s2d_jax.train.loop import RECIPE
 
     _, target, _ = load_model(args.target, dtype="float32")
     cfg, params, extra = load_model(draft_hf, dtype="float32")
-    kept = choose_exits(args, draft_hf, extra["s2d_exits"], log)
+    kept = exits if exits is not None else choose_exits(args, draft_hf, extra["s2d_exits"], log)
     cfg, params, extra = draft_prefix(cfg, params, extra, kept)
-    save_draft_pack(args.out, cfg, params, extra, target_embed=target["embed"],
+    # the recipe is read before the pack is replaced: draft_hf may be --progress's own copy
+    recipe_path = os.path.join(draft_hf, RECIPE)
+    recipe = open(recipe_path).read() if os.path.isfile(recipe_path) else None
+    save_draft_pack(out, cfg, params, extra, target_embed=target["embed"],
                     target_name=os.path.basename(os.path.normpath(args.target)),
-                    weights="int8", overwrite=args.overwrite)
-    from s2d_jax.train.loop import RECIPE
-    recipe = os.path.join(draft_hf, RECIPE)
-    if os.path.isfile(recipe):  # the run's settings and data slice travel with the pack
-        import shutil
-        shutil.copyfile(recipe, os.path.join(args.out, RECIPE))
-    log(f"[pack] wrote {args.out}: the first {cfg.num_layers} layers, exits {kept}")
+                    weights="int8", overwrite=True if out == args.progress else args.overwrite)
+    if recipe is not None:  # the run's settings and data slice travel with the pack
+        from s2d_jax.io.atomic import write_atomic
+        write_atomic(os.path.join(out, RECIPE), recipe)
+    log(f"[pack] wrote {out}: the first {cfg.num_layers} layers, exits {kept}")
+
+
+def pack(args, draft_hf: str, log) -> None:
+    write_pack(args, draft_hf, args.out, None, log)
 
 
 # the calibration's settings (python -m infer.calibrate's flags of the same names)
@@ -270,7 +295,16 @@ def _run(args) -> None:
 
     rows = None if args.corpus else distill(args, log)
     teacher = teacher_states(args, rows, log) if args.kd_weight > 0 else None
-    draft_hf = soft(args, rows, log, teacher)
+    draft_hf, out = soft(args, rows, log, teacher)
+    if out["stopped_early"]:
+        step, total = int(out["state"].step), out["total_steps"]
+        if args.progress:  # every trained exit: the exit choice waits for the whole run
+            write_pack(args, draft_hf, args.progress, list(args.exits), log)
+        log(f"[soft] stopped at step {step} of {total} (--train-minutes "
+            f"{args.train_minutes:g}): checkpoint in {os.path.join(args.work, 'ckpt')}"
+            + (f", progress in {args.progress} (commit it)" if args.progress else "")
+            + "; rerun the same command to continue")
+        return
     pack(args, draft_hf, log)
     if not args.skip_calibration:
         calibrate(args, log)

@@ -118,8 +118,10 @@ def check_path_flags(parser: argparse.ArgumentParser, ns) -> None:
             inputs[flag] = a.s2d_input(value)
         else:
             kind, overwrite = a.s2d_output
-            outputs.append(Output(flag, value, kind,
-                                  bool(getattr(ns, overwrite, False)) if overwrite else False,
+            replace = (overwrite if isinstance(overwrite, bool) else
+                       bool(getattr(ns, overwrite, False)) if overwrite else False)
+            outputs.append(Output(flag, value, kind, replace,
+                                  "this run" if overwrite is True else "--overwrite",
                                   owner=parser.prog if kind == DIR else ""))
     if outputs:
         check_outputs(outputs, inputs)
@@ -144,11 +146,13 @@ def add_input(container, *flags, paths=_paths_as_given, **kw) -> argparse.Action
     return action
 
 
-def add_output(container, *flags, kind: str = "file", overwrite: str | None = None,
+def add_output(container, *flags, kind: str = "file", overwrite: str | bool | None = None,
                **kw) -> argparse.Action:
     """A flag naming something the command writes. kind: outputs.FILE, DIR (a dir of
     files, marked as this command's), CACHE (a shared dir) or a model dir kind (HF_DIR,
-    CHECKPOINT, DRAFT_PACK: replaced whole, only with the `overwrite` switch's dest set)."""
+    CHECKPOINT, DRAFT_PACK: replaced whole, only with the `overwrite` switch's dest set;
+    overwrite=True: a dir the command keeps up to date as its own, as a checkpoint dir,
+    replaced whenever it carries the kind's marker)."""
     kw.setdefault("type", path_arg)
     action = container.add_argument(*flags, **kw)
     action.s2d_output = (kind, overwrite)

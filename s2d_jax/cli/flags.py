@@ -313,6 +313,18 @@ FLAGS: dict[str, Flag] = {
         default="2,4,6,8", metavar="E,E,...",
         help="exit depths (layers) the draft is trained with, ascending",
         variants={"bench-step": variant("it times the 12-layer CPU proxy", default="6,9,12")}),
+    "--train-minutes": _flag(
+        type=cli_args.finite_number, default=None, metavar="N",
+        help="train the SmolLM2 sorted draft for at most N minutes",
+        variants={"device-check": variant(
+            "part (c) of the device's lease, off without it",
+            help="also train the SmolLM2 sorted draft for N minutes, logging its held-out "
+                 "agreement (c)"),
+                  "train-smollm2-draft": variant(
+            "a run spread over sessions",
+            help="stop SoFT after the step that ends N minutes after it started (its "
+                 "checkpoint in --work; with --progress, the draft so far packed there); "
+                 "rerun the same command to continue (default: no limit)")}),
     "--head-vocab": _flag(type=int, default=4096,
                           help="the draft head's sub-vocabulary (0 = the full vocabulary)"),
     "--work": _flag(

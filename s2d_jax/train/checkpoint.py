@@ -122,7 +122,7 @@ PLAN = "run_plan.json"
 # TrainConfig fields that do not change what the steps compute (where outputs go, how often
 # they are written, the mesh the same numbers are sharded over)
 _NOT_IN_PLAN = ("checkpoint", "metrics_path", "log_every", "export_dir", "export_overwrite",
-                "stop_after_step", "mesh")
+                "stop_after_step", "stop_after_minutes", "mesh")
 
 
 def run_plan(tc, data_slice=None) -> dict:
@@ -134,6 +134,7 @@ def run_plan(tc, data_slice=None) -> dict:
     plan = {k: v for k, v in dataclasses.asdict(tc).items() if k not in _NOT_IN_PLAN}
     if not plan["model"]["init_from"]:  # off: the plans of runs made before it existed
         del plan["model"]["init_from"]
+    del plan["model"]["continue_from"]  # where this run's progress is kept, not what it is
     if data_slice:
         plan["data_slice"] = [
             {**{k: v for k, v in s.items() if k != "shards"}, "shards": len(s["shards"]),
@@ -150,6 +151,16 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def plan_difference(was: dict, now: dict) -> tuple[str, object, object] | None:
+    """(setting, its value in `was`, in `now`) of the first setting (dotted, in sorted
+    order) two run plans disagree on; None when they are the same plan."""
+    was, now = _flat(was), _flat(json.loads(json.dumps(now)))
+    for key in sorted(set(was) | set(now)):
+        if was.get(key) != now.get(key):
+            return key, was.get(key), now.get(key)
+    return None
+
+
 def check_run_plan(directory: str, plan: dict, has_checkpoint: bool) -> None:
     """A run resumes only with the settings its checkpoints were made with (directory's
     run_plan.json, written when the first run starts): another lr, data or draft would
@@ -160,11 +171,11 @@ def check_run_plan(directory: str, plan: dict, has_checkpoint: bool) -> None:
     path = os.path.join(directory, PLAN)
     if has_checkpoint and os.path.exists(path):
         old = read_json(path, "training run plan")
-        was, now = _flat(old if isinstance(old, dict) else {}), _flat(plan)
-        for key in sorted(set(was) | set(now)):
-            if was.get(key) != now.get(key):
-                raise S2DError(f"checkpoint.dir {directory} holds a run made with {key}="
-                               f"{was.get(key)!r}, this config has {key}={now.get(key)!r}; "
-                               f"resume with the same settings, or use a new checkpoint.dir")
+        diff = plan_difference(old if isinstance(old, dict) else {}, plan)
+        if diff:
+            key, was, now = diff
+            raise S2DError(f"checkpoint.dir {directory} holds a run made with {key}="
+                           f"{was!r}, this config has {key}={now!r}; "
+                           f"resume with the same settings, or use a new checkpoint.dir")
     elif not has_checkpoint and jax.process_index() == 0:
         write_atomic(path, json.dumps(plan, indent=1, sort_keys=True) + "\n")

@@ -31,6 +31,12 @@ class ModelSection:
     # such as models/smollm2-draft, or an HF draft dir) rather than the target's first
     # layers; what they do not hold is lost (s2d_jax/train/warm_start.py). "" = off.
     init_from: str = ""
+    # This same run's committed progress (a draft pack written when a run stopped at its
+    # time budget, with the recipe of its plan and step): with no checkpoint to resume, the
+    # run continues at that step with its data position; only the optimizer moments are
+    # lost (s2d_jax/train/continuation.py). A path that does not exist yet = start as
+    # usual. "" = off.
+    continue_from: str = ""
     dtype: str = ""  # compute dtype
     param_dtype: str = ""  # dtype of the trained (master) params
 
@@ -79,6 +85,9 @@ class TrainConfig:
     # Debug: hard-exit the process right after finishing this step (0 = off); used to
     # test resuming after a crash.
     stop_after_step: int = 0
+    # Stop cleanly (checkpoint saved, draft exported) after the first step that ends this
+    # many minutes after the run started: a long run spread over sessions. 0 = off.
+    stop_after_minutes: float = 0.0
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
@@ -93,6 +102,9 @@ class TrainConfig:
             raise S2DError(f"log_every must be >= 1 (log every N steps), got {self.log_every}")
         if self.stop_after_step < 0:
             raise S2DError(f"stop_after_step must be >= 0 (0 = off), got {self.stop_after_step}")
+        if not self.stop_after_minutes >= 0:  # NaN and inf: refused by the config loader
+            raise S2DError(f"stop_after_minutes must be >= 0 (0 = off), got "
+                           f"{self.stop_after_minutes}")
         if self.checkpoint.dir and (self.checkpoint.save_every < 1 or self.checkpoint.keep_last < 1):
             raise S2DError("checkpoint.save_every and checkpoint.keep_last must be >= 1")
         if not self.model.path:

@@ -1,6 +1,7 @@
 """The SoFT training loop: `prepare` (build the draft, check the setup, build the step),
-`restore_or_init` (the latest checkpoint or the initial params), `run_steps` (the jitted
-step, metrics, checkpoints, then the hooks of s2d_jax/train/hooks.py); `train` runs all three.
+`restore_or_init` (the latest checkpoint, the run's committed progress or the initial
+params), `run_steps` (the jitted step, metrics, checkpoints, then the hooks of
+s2d_jax/train/hooks.py, until the last step or the time budget); `train` runs all three.
 
 All user-input checks (model path, exits, mesh vs devices, divisibility, data files,
 tokenizer vocabulary) happen before the checkpoint manager is created, so bad input never
@@ -21,6 +22,7 @@ import numpy as np
 
 from s2d_jax.model import transformer as model
 from s2d_jax.train import checkpoint as ckpt
+from s2d_jax.train import continuation
 from s2d_jax.config import ModelConfig, load_model_config, read_hf_config
 from s2d_jax.parallel.multihost import maybe_initialize_distributed
 from s2d_jax.errors import S2DError
@@ -202,29 +204,45 @@ def prepare(tc: TrainConfig, devices=None) -> PreparedRun:
     return PreparedRun(tc, cfg, exits, source, mesh, iterator, total_steps, head_ids, *built)
 
 
-def restore_or_init(run: PreparedRun, manager):
-    """(state, start step): the latest checkpoint of `manager` (the data iterator put back
-    where it was), else the initial params at step 0."""
+def restore_or_init(run: PreparedRun, manager, plan: dict | None = None):
+    """(state, start step, how it began): the latest checkpoint of `manager` (the data
+    iterator put back where it was); else this run's committed progress
+    (`model.continue_from`, train/continuation.py: its step and data position, new
+    moments); else the initial params (from `model.init_from`'s committed draft, if set)."""
     restored = (ckpt.restore_latest(manager, abstract_state(run.cfg, run.tx, run.shardings),
                                     getattr(run.iterator, "state_per_process", True))
                 if manager else None)
-    if restored is None:
-        params = initial_params(run.cfg, run.source, run.mesh, run.tc.seed)
-        if run.tc.model.init_from:  # the checkpoint is gone: the last committed draft
-            from s2d_jax.train.warm_start import warm_start
-            params = warm_start(params, run.cfg, run.tc.model.init_from)
-        return run.init_fn(params), 0
-    state, data_state, start = restored
-    run.iterator.set_state(data_state)
-    return state, start
+    if restored is not None:
+        state, data_state, start = restored
+        run.iterator.set_state(data_state)
+        return state, start, f"resumed from its checkpoint at step {start}"
+    params = initial_params(run.cfg, run.source, run.mesh, run.tc.seed)
+    model_tc = run.tc.model
+    step = (continuation.committed_progress(model_tc.continue_from,
+                                            plan if plan is not None else ckpt.run_plan(run.tc))
+            if model_tc.continue_from else None)
+    if step is not None:  # the checkpoint is gone: this run's committed progress
+        from s2d_jax.train.warm_start import warm_start
+        params = warm_start(params, run.cfg, model_tc.continue_from, lost=continuation.LOST,
+                            why=f"this run's progress at step {step}")
+        continuation.skip_batches(run.iterator, step)
+        return (continuation.at_step(run.init_fn(params), step), step,
+                f"continued at step {step} from its committed progress {model_tc.continue_from}")
+    if model_tc.init_from:  # the checkpoint is gone: the last committed draft
+        from s2d_jax.train.warm_start import warm_start
+        params = warm_start(params, run.cfg, model_tc.init_from)
+        return run.init_fn(params), 0, f"warm start from {model_tc.init_from}"
+    return run.init_fn(params), 0, f"initialised from {model_tc.path}"
 
 
 def run_steps(run: PreparedRun, state, start: int, manager=None, hooks=()):
     """Steps start+1 .. total_steps (or until the data ends): log, checkpoint, then call
     `hooks` (s2d_jax/train/hooks.py) after each; the last state is saved. Returns
-    (state, history of metrics records)."""
+    (state, history of metrics records, whether stop_after_minutes ended it)."""
     tc, watch, history = run.tc, FiniteWatch(), []  # watch: checked before any log or save
     t_last, tokens_since = time.perf_counter(), 0
+    deadline = t_last + 60 * tc.stop_after_minutes if tc.stop_after_minutes else None
+    stopped = False
     for step in range(start + 1, run.total_steps + 1):
         try:
             host_batch = next(run.iterator)
@@ -247,16 +265,30 @@ def run_steps(run: PreparedRun, state, start: int, manager=None, hooks=()):
             ckpt.save(manager, step, state, run.iterator.get_state())
         for hook in hooks:
             hook(step, state, record)
+        if deadline is not None and step < run.total_steps and _past(deadline):
+            stopped = True  # the time budget: the state is saved below
+            break
     watch.check(manager)  # the data may end between boundaries: never save or export NaN
     if manager:
         if manager.latest_step() != int(state.step):
             ckpt.save(manager, int(state.step), state, run.iterator.get_state())
         manager.wait_until_finished()
-    return state, history
+    return state, history, stopped
+
+
+def _past(deadline: float) -> bool:
+    """Whether the time budget is spent; every process stops at the same step."""
+    past = time.perf_counter() >= deadline
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        past = bool(np.max(multihost_utils.process_allgather(np.asarray(past))))
+    return past
 
 
 def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dict:
-    """Run (or resume) training. Returns {"state", "history", "cfg", "exits", "start_step"}.
+    """Run (or resume) training. Returns {"state", "history", "cfg", "exits", "start_step",
+    "total_steps", "stopped_early"} (stopped_early: at stop_after_minutes, before
+    total_steps).
 
     `hooks`: more callables run after each step (s2d_jax/train/hooks.py)."""
     run = prepare(tc, devices)
@@ -267,39 +299,40 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
     plan = ckpt.run_plan(tc, data_slice)
     if manager:
         ckpt.check_run_plan(tc.checkpoint.dir, plan, manager.latest_step() is not None)
-    state, start = restore_or_init(run, manager)
+    state, start, begun = restore_or_init(run, manager, plan)
     bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
     hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]
     if tc.stop_after_step:  # debug: simulate a crash right after this step
         hooks.append(crash_after(tc.stop_after_step, manager))
     try:
-        state, history = run_steps(run, state, start, manager, hooks)
+        state, history, stopped = run_steps(run, state, start, manager, hooks)
     finally:
         close_all(hooks)
     if tc.export_dir:
         export_draft(tc, run.cfg, run.exits, state.params, run.head_ids)
         if jax.process_index() == 0:
-            write_recipe(tc.export_dir, plan, data_slice, start, int(state.step))
+            write_recipe(tc.export_dir, plan, data_slice, begun, int(state.step),
+                         run.total_steps)
     return {"state": state, "history": history, "cfg": run.cfg, "exits": run.exits,
-            "start_step": start}
+            "start_step": start, "total_steps": run.total_steps,
+            "stopped_early": stopped}
 
 
-RECIPE = "s2d_recipe.json"
+RECIPE = continuation.RECIPE
 
 
-def write_recipe(export_dir: str, plan: dict, data_slice, start: int, step: int) -> None:
+def write_recipe(export_dir: str, plan: dict, data_slice, begun: str, step: int,
+                 total_steps: int) -> None:
     """The exported draft's recipe beside its weights: the run's settings, the data it
-    read (a corpus's shard files and sha256s, token counts) and how it started."""
+    read (a corpus's shard files and sha256s, token counts), how it started and the step
+    it reached of its total (a run continued from it reads plan and steps back,
+    train/continuation.py)."""
     import json
 
     from s2d_jax.io.atomic import write_atomic
-    tc = plan.get("model", {})
-    begun = (f"resumed from its checkpoint at step {start}" if start else
-             f"warm start from {tc.get('init_from')}" if tc.get("init_from") else
-             f"initialised from {tc.get('path')}")
     write_atomic(os.path.join(export_dir, RECIPE), json.dumps(
-        {"plan": plan, "data_slice": data_slice, "start": begun, "steps": step},
-        indent=1) + "\n")
+        {"plan": plan, "data_slice": data_slice, "start": begun, "steps": step,
+         "total_steps": total_steps}, indent=1) + "\n")
 
 
 def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None) -> None:

@@ -9,7 +9,7 @@ gives the same update as one batch A times larger.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,52 @@ class TrainState:
     opt_state: Any
 
 
+class MomentRampState(NamedTuple):
+    age: jnp.ndarray  # int32: updates made with these Adam moments, counted up to `steps`
+    steps: jnp.ndarray  # int32: the ramp's length (the schedule's warmup)
+
+
+def _ramp_scale(state: MomentRampState):
+    return jnp.minimum(1.0, (state.age + 1) / state.steps)
+
+
+def moment_ramp(steps: int) -> optax.GradientTransformation:
+    """Scales the updates by (age + 1) / steps until `age` reaches `steps`. A run's own
+    start never ramps here (init sets age = steps: the schedule's warmup does that job);
+    a run continued from committed weights at step S (train/continuation.py) restarts
+    Adam's moments at zero with the schedule at S, and sets age = 0, so its first updates
+    are not the full learning rate times sign(g) that fresh moments give."""
+    def init(params):
+        del params
+        return MomentRampState(age=jnp.asarray(steps, jnp.int32),
+                               steps=jnp.asarray(steps, jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        scale = _ramp_scale(state)
+        return (jax.tree.map(lambda u: u * scale.astype(u.dtype), updates),
+                state._replace(age=jnp.minimum(state.age + 1, state.steps)))
+
+    return optax.GradientTransformation(init, update)
+
+
+def applied_lr(opt_state, schedule, step):
+    """The learning rate the next update applies: the schedule at its own count in the
+    optimizer state (a continued run moves it, continuation.at_step), times the moment
+    ramp; `schedule(step)` for an optimizer without a schedule state."""
+    def kind(x):
+        return isinstance(x, (optax.ScaleByScheduleState, MomentRampState))
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=kind) if kind(x)]
+    counts = [x.count for x in found if isinstance(x, optax.ScaleByScheduleState)]
+    lr = schedule(counts[0] if counts else step)
+    for ramp in (x for x in found if isinstance(x, MomentRampState)):
+        lr = lr * _ramp_scale(ramp)
+    return lr
+
+
 def make_optimizer(o: OptimizerConfig, total_steps: int):
-    """AdamW with linear warmup + cosine decay, global-norm clipping; no decay on norms."""
+    """AdamW with linear warmup + cosine decay, global-norm clipping; no decay on norms;
+    with a warmup, the ramp a continued run's fresh moments need (`moment_ramp`)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0 if o.warmup_steps else o.lr, peak_value=o.lr,
         warmup_steps=o.warmup_steps, decay_steps=max(total_steps, o.warmup_steps + 1),
@@ -49,6 +93,8 @@ def make_optimizer(o: OptimizerConfig, total_steps: int):
     parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
     parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps,
                              weight_decay=o.weight_decay, mask=decay_mask))
+    if o.warmup_steps:
+        parts.append(moment_ramp(o.warmup_steps))
     tx = optax.chain(*parts)
     if o.frozen:
         # Frozen params get zero updates (their gradients are already zero through
@@ -178,7 +224,8 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "exit_loss": ce / total_tokens, "exit_acc": correct / total_tokens,
                    "exit_kd": kd / total_tokens,
-                   "grad_norm": grad_norm, "lr": schedule(state.step), "tokens": total_tokens}
+                   "grad_norm": grad_norm, "lr": applied_lr(state.opt_state, schedule, state.step),
+                   "tokens": total_tokens}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     replicated = NamedSharding(mesh, P())

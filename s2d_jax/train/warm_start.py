@@ -44,10 +44,11 @@ def _same_shape(a: ModelConfig, b: ModelConfig) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
-def warm_start(params: dict, cfg: ModelConfig, path: str, log=print) -> dict:
+def warm_start(params: dict, cfg: ModelConfig, path: str, log=print, lost: str = LOST,
+               why: str = "") -> dict:
     """`params` (the draft initialised from its target) with its first layers and final
     norm replaced by the committed draft's at `path`; the deeper layers a deeper draft
-    adds keep the target's weights. Logs what is kept and what is lost."""
+    adds keep the target's weights. Logs what is kept and what is `lost`."""
     saved_cfg, own, how = committed_weights(path)
     if not _same_shape(saved_cfg, cfg):
         diff = next(k for k, v in dataclasses.asdict(saved_cfg).items()
@@ -67,7 +68,7 @@ def warm_start(params: dict, cfg: ModelConfig, path: str, log=print) -> dict:
            "final_norm": jax.device_put(jnp.asarray(own["final_norm"], norm.dtype),
                                         norm.sharding)}
     log(f"[warm start] no checkpoint to resume: layers 1-{n} and the final norm from the "
-        f"committed draft {path} ({how})"
+        f"committed draft {path} ({how}{', ' + why if why else ''})"
         + (f", layers {n + 1}-{cfg.num_layers} from the target" if n < cfg.num_layers else "")
-        + f"; lost: {LOST}")
+        + f"; lost: {lost}")
     return out
