@@ -91,7 +91,12 @@ def parse_args(argv):
                "with its recipe) when --train-minutes stops it; read when --work has no "
                "checkpoint, continuing at its step and data position (only the optimizer "
                "moments are lost). Commit it between sessions")
-    args = ap.parse_args(argv)
+    return check_args(ap, ap.parse_args(argv))
+
+
+def check_args(ap, args):
+    """The checks argparse cannot make (ranges, combinations, the outputs against every
+    file the pipeline reads); `ap.error` on the first that fails."""
     args.target = os.path.expanduser(args.target)
     args.exits = parse_ints(args.train_exits, "--train-exits")
     if not os.path.isdir(args.target):
