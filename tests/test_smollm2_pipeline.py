@@ -116,3 +116,21 @@ def test_a_run_over_sessions_commits_its_progress_and_continues_on_a_new_machine
     err = cli_error(smollm2_draft.main, capsys,
                     ["2,3" if a == "1,3" else a for a in argv] + ["--overwrite"])
     assert "is the progress of a run made with draft.exits=[1, 3]" in err
+
+
+def test_lr_is_the_plans_peak_and_a_bad_one_is_one_error_line(tmp_path, monkeypatch, capsys):
+    from s2d_jax.train import loop
+    for bad in ("nan", "-1"):
+        err = cli_error(smollm2_draft.main, capsys, ["--target", TARGET, "--lr", bad,
+                                                     "--out", str(tmp_path / "pack")])
+        assert "--lr" in err and bad.lstrip("-") in err
+    plans = []
+    monkeypatch.setattr(loop, "train", lambda tc: plans.append(tc) or {"history": []})
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    for flag, lr in (([], 2e-3), (["--lr", "3e-4"], 3e-4)):  # 0 (absent): the config's
+        args = smollm2_draft.parse_args(["--target", TARGET, "--work", str(tmp_path / "w"),
+                                         "--out", str(tmp_path / "pack"),
+                                         "--head-vocab", "0", *flag])
+        smollm2_draft.soft(args, str(rows), log=print)
+        assert plans[-1].optimizer.lr == lr

@@ -67,6 +67,10 @@ def parse_args(argv):
                     "in the seeded order (0 = all of PROMPT_QUOTA: 28 batches)")
     add(ap, "--max-new-tokens", CMD)
     ap.add_argument("--steps", type=int, default=0, help="SoFT steps (0 = the config's)")
+    ap.add_argument("--lr", type=finite_number, default=0.0,
+                    help="SoFT's peak learning rate (0 = the config's); a warm start from "
+                    "trained layers (--init-from) over a long run wants less than the "
+                    "config's 2e-3, which suits 300 steps from the target's layers")
     ap.add_argument("--kd-weight", type=finite_number, default=KD_WEIGHT,
                     help="share of the loss on the target's whole distribution rather than "
                     f"its sampled tokens, in [0, 1] (default {KD_WEIGHT})")
@@ -110,6 +114,8 @@ def check_args(ap, args):
     if args.train_minutes is not None and args.train_minutes <= 0:
         ap.error(f"--train-minutes must be > 0 (leave it out for no limit), got "
                  f"{args.train_minutes}")
+    if args.lr < 0:
+        ap.error(f"--lr must be > 0 (0 = the config's), got {args.lr}")
     for name in ("distill_batches", "steps", "head_vocab", "corpus_shards"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -178,6 +184,8 @@ def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
         over.append(f"draft.head_vocab={head}")
     if args.steps:
         over.append(f"optimizer.total_steps={args.steps}")
+    if args.lr:
+        over.append(f"optimizer.lr={args.lr}")
     if teacher:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
     if args.init_from:
