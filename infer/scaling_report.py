@@ -5,7 +5,10 @@
 --points: JSON lines, one trained draft's held-out agreement at one exit each:
     {"shape": "4 layers", "kind": "on_policy" | "teacher_forced", "tokens": 200000,
      "exit": 4, "agreement": 0.251, "se": 0.008}
-(`se`: the agreement's standard error, as `infer.agreement` writes it: agreement_se).
+(`se`: the agreement's standard error, as `infer.agreement` writes it: agreement_se;
+optional: "prompt_hits"/"prompt_tokens" per held-out prompt, and "recipe": a draft trained
+other than by the study's recipe, e.g. "one pass over the corpus", its own series and
+marker, so it never bends the study's trends).
 Writes OUT/table.md (every point; per series of >= 3 points its fit agreement = a + b
 log10 tokens and the tokens it needs for --levels), OUT/fits.json and OUT/scaling.png
 (s2d_jax/bench/scaling.py). The files are rewritten on every run (derived from --points).

@@ -88,7 +88,24 @@ def test_the_report_writes_table_fits_and_plot(tmp_path, capsys):
     assert (out / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_recipe_is_its_own_series_beside_the_study(tmp_path):
+    run = dict(shape="4 layers", kind="on_policy", exit=4, se=0.01, recipe="one pass")
+    pts = _points() + [Point(tokens=t, agreement=0.9 - 0.1 * i, **run)
+                       for i, t in enumerate((1_000_000, 3_000_000, 5_000_000))]
+    _write(tmp_path / "points.jsonl", pts)
+    out = tmp_path / "report"
+    assert scaling_report.main(["--points", str(tmp_path / "points.jsonl"), "--out", str(out)]) == 0
+    fits = json.loads((out / "fits.json").read_text())
+    # the falling run leaves the study's planted trend where it was
+    assert fits["4 layers | on_policy | exit 4"]["b"] == pytest.approx(0.05)
+    assert fits["4 layers | on_policy (one pass) | exit 4"]["b"] < 0
+    assert "| 4 layers | on_policy (one pass) | 5M | 4 | 0.700 (0.010) |" in (
+        out / "table.md").read_text()
+
+
 @pytest.mark.parametrize("row, message", [
+    ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,
+      "se": 0.01, "recipe": 3}, "recipe must be a name"),
     ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": float("nan"),
       "se": 0.01}, "agreement must be a finite number"),
     ({"shape": "4", "kind": "on_policy", "tokens": 1000, "exit": 4, "agreement": 0.3,

@@ -30,6 +30,7 @@ from s2d_jax.readers import parse_json, read_text
 KINDS = ("on_policy", "teacher_forced")
 FIELDS = ("shape", "kind", "tokens", "exit", "agreement", "se")
 PAIRED = ("prompt_hits", "prompt_tokens")  # optional: per held-out prompt
+OPTIONAL = ("recipe",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,14 @@ class Point:
     se: float       # standard error of `agreement` (clustered by prompt)
     prompt_hits: tuple = ()     # per held-out prompt: answer tokens the exit predicted
     prompt_tokens: tuple = ()   # per held-out prompt: answer tokens
+    # "": the study's recipe (configs/train/scaling_study.yaml); another name is a draft
+    # trained otherwise (e.g. one pass over the committed corpus), its own series, so a
+    # recipe's points never bend the study's trends
+    recipe: str = ""
+
+    @property
+    def supervision(self) -> str:
+        return f"{self.kind} ({self.recipe})" if self.recipe else self.kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +93,9 @@ def check_point(p: Point, where: str) -> Point:
                        f"{p.shape!r}")
     if p.exit < 1:
         raise S2DError(f"{where}: exit must be >= 1, got {p.exit}")
+    if not isinstance(p.recipe, str) or p.recipe != p.recipe.strip() or "|" in p.recipe:
+        raise S2DError(f"{where}: recipe must be a name without '|' or outer spaces "
+                       f"(leave it out for the study's), got {p.recipe!r}")
     if p.kind not in KINDS:
         raise S2DError(f"{where}: kind {p.kind!r} is not one of {list(KINDS)}")
     if not (isinstance(p.tokens, int) and p.tokens > 0):
@@ -153,10 +165,10 @@ def fit_log_linear(points: list[Point]) -> Fit:
 
 
 def series(points: list[Point]) -> dict[tuple[str, str, int], list[Point]]:
-    """Points grouped by (shape, kind, exit), each sorted by tokens."""
+    """Points grouped by (shape, supervision: kind and recipe, exit), each sorted by tokens."""
     out: dict[tuple[str, str, int], list[Point]] = {}
     for p in points:
-        out.setdefault((p.shape, p.kind, p.exit), []).append(p)
+        out.setdefault((p.shape, p.supervision, p.exit), []).append(p)
     return {k: sorted(v, key=lambda p: p.tokens) for k, v in sorted(out.items())}
 
 
@@ -172,9 +184,9 @@ def table_lines(points: list[Point], levels=(0.35, 0.45)) -> list[str]:
     """Markdown: every point, then each series' fit and the tokens each level needs."""
     lines = ["| shape | supervision | unique tokens | exit | agreement (s.e.) |",
              "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {p.shape} | {p.kind} | {_tokens(p.tokens)} | {p.exit} | "
+    lines += [f"| {p.shape} | {p.supervision} | {_tokens(p.tokens)} | {p.exit} | "
               f"{p.agreement:.3f} ({p.se:.3f}) |" for p in sorted(
-                  points, key=lambda p: (p.shape, p.kind, p.exit, p.tokens))]
+                  points, key=lambda p: (p.shape, p.supervision, p.exit, p.tokens))]
     fit_rows = []
     for (shape, kind, ex), pts in series(points).items():
         if len(pts) < 3:
@@ -216,8 +228,10 @@ def plot(points: list[Point], path: str) -> bool:
     for ax, shape in zip(axes[0], shapes):
         for (_, kind, ex), pts in series([p for p in points if p.shape == shape]).items():
             t = np.array([p.tokens for p in pts], dtype=float)
+            marker = "*" if pts[0].recipe else "o" if pts[0].kind == "on_policy" else "s"
             line = ax.errorbar(t, [p.agreement for p in pts], yerr=[p.se for p in pts],
-                               marker="o" if kind == "on_policy" else "s", linestyle="none",
+                               marker=marker, markersize=9 if pts[0].recipe else 6,
+                               linestyle="none",
                                capsize=3, label=f"{kind}, exit {ex}")
             if len(pts) >= 3:
                 f = fit_log_linear(pts)
@@ -249,6 +263,7 @@ def read_points(path: str):
             raise S2DError(f"points file {path}:{n}: tokens and exit must be integers")
         paired = {k: tuple(row[k]) if isinstance(row.get(k), list) else row.get(k)
                   for k in PAIRED if k in row}
+        paired.update({k: row[k] for k in OPTIONAL if k in row})
         points.append(check_point(Point(**{k: row[k] for k in FIELDS}, **paired),
                                   f"points file {path}:{n}"))
     if not points:
