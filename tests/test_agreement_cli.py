@@ -36,6 +36,10 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
         assert r["gain_over_previous"] == pytest.approx(r["agreement"] - prev["agreement"])
         assert r["gain_se"] >= 0.0
     assert "3 - 2: " in printed
+    # and escalation's whole range, paired: the deepest exit over the shallowest
+    assert rows[-1]["gain_over_first"] == pytest.approx(rows[-1]["agreement"] - rows[0]["agreement"])
+    assert rows[-1]["gain_over_first_se"] >= 0.0
+    assert f"deepest minus shallowest, paired: 3 - 1: {rows[-1]['gain_over_first']:+.3f}" in printed
 
 
 def test_the_target_as_its_own_draft_agrees_everywhere(tmp_path):

@@ -151,10 +151,11 @@ def score_drafts(cfg, params, drafts: list[Draft], prompts, answers, rows: int
             for k, d in enumerate(drafts)]
 
 
-def paired_gain(stats: ExitStats, j: int) -> tuple[float, float]:
-    """Exit j's greedy agreement minus exit j - 1's on the same tokens, and its standard
-    error clustered by prompt (tokens of one answer are not independent)."""
-    d = [c[:, j].astype(np.float64) - c[:, j - 1] for c in stats.correct]
+def paired_gain(stats: ExitStats, j: int, i: int | None = None) -> tuple[float, float]:
+    """Exit j's greedy agreement minus exit i's (default j - 1) on the same tokens, and its
+    standard error clustered by prompt (tokens of one answer are not independent)."""
+    i = j - 1 if i is None else i
+    d = [c[:, j].astype(np.float64) - c[:, i] for c in stats.correct]
     n = sum(len(x) for x in d)
     mean = sum(x.sum() for x in d) / n
     return float(mean), float(np.sqrt(sum((x - mean).sum() ** 2 for x in d)) / n)
@@ -197,6 +198,9 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
             for j, e in enumerate(stats.exits)]
     for j in range(1, len(rows)):
         rows[j]["gain_over_previous"], rows[j]["gain_se"] = paired_gain(stats, j)
+    if len(rows) > 2:  # what escalating from the cheapest exit to the deepest can buy
+        rows[-1]["gain_over_first"], rows[-1]["gain_over_first_se"] = paired_gain(
+            stats, len(rows) - 1, 0)
     return rows
 
 
@@ -210,6 +214,10 @@ def summary_lines(name: str, rows: list[dict]) -> list[str]:
         lines.append("  deeper exit minus the one before, paired (s.e. by prompt): " + ", ".join(
             f"{r['exit']} - {q['exit']}: {r['gain_over_previous']:+.3f} "
             f"({r['gain_se']:.3f})" for q, r in zip(rows, rows[1:])))
+    if "gain_over_first" in rows[-1]:
+        lines.append(f"  deepest minus shallowest, paired: {rows[-1]['exit']} - "
+                     f"{rows[0]['exit']}: {rows[-1]['gain_over_first']:+.3f} "
+                     f"({rows[-1]['gain_over_first_se']:.3f})")
     return lines
 
 
