@@ -10,14 +10,26 @@ from s2d_jax.bench.loop_costs import ONE_STEP, LoopProbe
 from test_engine import make_decoder
 
 
+def _sampled(probe, rounds_of_samples=3):
+    """probe.result() after 9 samples, or after 9 more while the machine was too noisy for
+    a round to time above an empty call (what the probe's own error asks for): a round of
+    this tiny model is ~0.2 ms, so a loaded machine (CI beside other work) can hide it."""
+    for left in range(rounds_of_samples, 0, -1):
+        for _ in range(9):
+            probe.sample()
+        try:
+            return probe.result()
+        except S2DError as e:
+            if left == 1 or "measured no time" not in str(e):
+                raise
+
+
 def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
     dec = make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3, stop_threshold=0.4)
     # the longest buffer the model allows and medians of 9: a round of this tiny model is
     # ~0.2 ms, below the noise of a loaded machine in any one timing
     probe = LoopProbe(dec, [5, 6, 7], max_len=96)
-    for _ in range(9):
-        probe.sample()
-    res = probe.result()
+    res = _sampled(probe)
     assert res["rounds"] == (96 - 16 - 4 - 2) // 4  # as many as fit after a 16-wide prompt
     assert len(res["round_s"]) == 3 and len(res["one_step_round_s"]) == 3
     # The one-step program drafts exactly one token per round.
@@ -29,9 +41,7 @@ def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
     assert int(state.round) == 4 and state.stats.proposed_at[0].tolist() == [4, 0, 0]
     plain = LoopProbe(make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3), [5, 6, 7],
                       max_len=96)
-    for _ in range(9):
-        plain.sample()
-    assert "one_step_round_s" not in plain.result()
+    assert "one_step_round_s" not in _sampled(plain)
 
 
 def test_a_probe_that_measured_no_time_is_an_error():
