@@ -226,13 +226,13 @@ def plot(points: list[Point], path: str) -> bool:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), sharey=True,
                              squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        for (_, kind, ex), pts in series([p for p in points if p.shape == shape]).items():
+        for (_, supervision, ex), pts in series([p for p in points if p.shape == shape]).items():
             t = np.array([p.tokens for p in pts], dtype=float)
             marker = "*" if pts[0].recipe else "o" if pts[0].kind == "on_policy" else "s"
             line = ax.errorbar(t, [p.agreement for p in pts], yerr=[p.se for p in pts],
                                marker=marker, markersize=9 if pts[0].recipe else 6,
                                linestyle="none",
-                               capsize=3, label=f"{kind}, exit {ex}")
+                               capsize=3, label=f"{supervision}, exit {ex}")
             if len(pts) >= 3:
                 f = fit_log_linear(pts)
                 grid = np.geomspace(t.min(), t.max() * 10, 50)
@@ -261,10 +261,10 @@ def read_points(path: str):
         if isinstance(row["tokens"], bool) or isinstance(row["exit"], bool) \
                 or not isinstance(row["exit"], int):
             raise S2DError(f"points file {path}:{n}: tokens and exit must be integers")
-        paired = {k: tuple(row[k]) if isinstance(row.get(k), list) else row.get(k)
-                  for k in PAIRED if k in row}
-        paired.update({k: row[k] for k in OPTIONAL if k in row})
-        points.append(check_point(Point(**{k: row[k] for k in FIELDS}, **paired),
+        extra = {k: tuple(row[k]) if isinstance(row.get(k), list) else row.get(k)
+                 for k in PAIRED if k in row}
+        extra.update({k: row[k] for k in OPTIONAL if k in row})
+        points.append(check_point(Point(**{k: row[k] for k in FIELDS}, **extra),
                                   f"points file {path}:{n}"))
     if not points:
         raise S2DError(f"points file {path} has no points; run the study first")
