@@ -87,6 +87,28 @@ def test_progress_without_a_recipe_or_step_is_refused_and_a_new_path_starts_fres
         committed_progress(str(tmp_path), {"a": {"b": 2}})
 
 
+def test_progress_made_under_another_home_is_the_same_run(tmp_path, monkeypatch):
+    """The target and the work files live under ~/.cache: a plan keeps them as ~/..., so a new
+    machine whose home is another dir continues the run; a recipe written before (absolute
+    paths under this home) still matches, and a path outside the home is still compared."""
+    from s2d_jax.train.checkpoint import portable
+    from s2d_jax.train.continuation import committed_progress
+
+    def plan(home, other="/data/x"):
+        return {"model": {"path": f"{home}/.cache/t"}, "data": {"paths": [f"{home}/c", other]}}
+    monkeypatch.setenv("HOME", "/home/first")
+    written = portable(plan("/home/first"))
+    assert written == {"model": {"path": "~/.cache/t"}, "data": {"paths": ["~/c", "/data/x"]}}
+    (tmp_path / "s2d_recipe.json").write_text(json.dumps({"plan": written, "steps": 3}))
+    monkeypatch.setenv("HOME", "/root")
+    assert committed_progress(str(tmp_path), plan("/root")) == 3
+    with pytest.raises(S2DError, match=r"data\.paths=\['~/c', '/data/x'\], this run has "
+                                       r"data\.paths=\['~/c', '/data/y'\]"):
+        committed_progress(str(tmp_path), plan("/root", "/data/y"))
+    (tmp_path / "s2d_recipe.json").write_text(json.dumps({"plan": plan("/root"), "steps": 4}))
+    assert committed_progress(str(tmp_path), plan("/root")) == 4
+
+
 def test_a_continued_state_keeps_the_schedule_and_ramps_its_new_moments():
     from s2d_jax.train.config import OptimizerConfig
     from s2d_jax.train.continuation import at_step

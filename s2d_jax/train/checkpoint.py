@@ -141,7 +141,21 @@ def run_plan(tc, data_slice=None) -> dict:
              "shards_sha256": hashlib.sha256("".join(
                  f"{x['file']}:{x['sha256']}\n" for x in s["shards"]).encode()).hexdigest()}
             for s in data_slice]
-    return json.loads(json.dumps(plan))
+    return portable(json.loads(json.dumps(plan)))
+
+
+def portable(value):
+    """`value` (a plan or any JSON in it) with every path under this user's home written as
+    ~/...: the target, tokenizer and work files live under ~/.cache, and a run continued on a
+    machine whose home is another dir (a new session's, another user's) is the same run."""
+    home = os.path.expanduser("~").rstrip("/")
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and home and (value == home or value.startswith(home + "/")):
+        return "~" + value[len(home):]
+    return value
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -154,7 +168,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 def plan_difference(was: dict, now: dict) -> tuple[str, object, object] | None:
     """(setting, its value in `was`, in `now`) of the first setting (dotted, in sorted
     order) two run plans disagree on; None when they are the same plan."""
-    was, now = _flat(was), _flat(json.loads(json.dumps(now)))
+    # portable on both sides: plans written before paths were (absolute /root/...) still match
+    was, now = _flat(portable(was)), _flat(portable(json.loads(json.dumps(now))))
     for key in sorted(set(was) | set(now)):
         if was.get(key) != now.get(key):
             return key, was.get(key), now.get(key)

@@ -12,7 +12,9 @@ moments (restarted at zero, their bias correction with them; the updates ramp up
 the warmup's length, step.moment_ramp) and the float32 weights, which the pack keeps as int8.
 
 A pack whose recipe has another plan (other settings, another corpus slice) is another
-run's progress and is refused: continuing it would silently train one run as another.
+run's progress and is refused: continuing it would silently train one run as another. Paths
+under the home dir are kept as ~/... (checkpoint.portable), so a machine whose home is
+another dir still continues the run.
 """
 
 from __future__ import annotations
