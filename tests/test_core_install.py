@@ -5,6 +5,7 @@ installs `.[test]`."""
 import os
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 from test_readme_main import readme_text
@@ -52,3 +53,16 @@ print("EXTRAS", sorted({{m.split(".")[0] for m in sys.modules}} & HIDDEN))
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "EXTRAS []" in out.stdout, out.stdout[-500:]
+
+
+def test_every_library_subpackage_is_in_the_wheel():
+    # pyproject lists packages by hand (infer/, train/, models/ install under s2d_jax), so a
+    # new subpackage works in the editable install and is missing from a wheel (`pip install .`)
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    on_disk = {
+        os.path.relpath(d, ROOT).replace(os.sep, ".")
+        for d, _, files in os.walk(os.path.join(ROOT, "s2d_jax"))
+        if "__init__.py" in files and "__pycache__" not in d}
+    assert {"s2d_jax", "s2d_jax.decode"} <= on_disk  # the walk sees the real tree
+    assert on_disk <= listed, f"add to pyproject's packages: {sorted(on_disk - listed)}"
