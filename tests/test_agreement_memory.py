@@ -61,6 +61,7 @@ def full_distribution_stats(cfg, params, draft, prompts, answers):
     return correct, conf, np.concatenate(accept).mean(0)
 
 
+@pytest.mark.slow
 def test_answer_rows_give_the_full_distributions_numbers(demo):
     cfg, params, draft, prompts, eos = demo
     answers = agreement.target_answers(cfg, params, prompts, 16, eos)

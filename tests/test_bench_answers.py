@@ -2,7 +2,10 @@
 
 import re
 
+import pytest
 
+
+@pytest.mark.slow
 def test_prints_each_run_beside_the_teacher_forced_rate(tmp_path, capsys):
     from tiny_models import tiny_target
     from train import bench_answers

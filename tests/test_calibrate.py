@@ -288,6 +288,7 @@ def _engine_vs_simulator(gamma, settings):
     return out
 
 
+@pytest.mark.slow
 def test_simulator_predicts_the_engines_greedy_rounds():
     """calibrate.simulate on the draft's pass over AR trajectories = the engine's measured
     greedy rounds and MAT with exact draft keys/values (kv_fill="full"), per prompt, for

@@ -17,6 +17,7 @@ from s2d_jax.decode.state import DecodeParams
 from test_engine import CFG, draft, target_params
 
 
+@pytest.mark.slow
 def test_verify_loop_equals_the_calls_made_one_by_one():
     params, window, block, n, start, S = target_params(), 2, 3, 3, 10, 32
     chain = call_costs.verify_chain(CFG, window, block, S)
@@ -44,6 +45,7 @@ def test_verify_loop_equals_the_calls_made_one_by_one():
                                        q, key, dp, jnp.int32(0), chain=chain)) == 0
 
 
+@pytest.mark.slow
 def test_draft_loop_feeds_each_drafted_token_to_the_next_step():
     dcfg, dparams = draft()
     exits, j, n = (1, 3), 0, 4

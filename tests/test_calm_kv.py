@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode import engine
@@ -58,6 +59,7 @@ def at(cache_kv, layer, positions):
                      for b in range(positions.shape[0])])
 
 
+@pytest.mark.slow
 def test_draft_step_fills_skipped_layers_from_the_exit_hidden_state():
     p = params()
     B, P, S = 2, 6, 16
@@ -148,6 +150,7 @@ def test_engine_round_writes_calm_kv_for_every_drafted_position():
             assert gap < 1e-4 if layer == SKIPPED[0] else gap > 1e-2
 
 
+@pytest.mark.slow
 def test_fully_accepted_block_gets_calm_kv_at_its_last_draft_next_round():
     """The last drafted token of a fully accepted block was never fed to the draft: the next
     round's window must fill its skipped layers (its position is below length - 1, where an

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_cli_fuzz import DEMO, REPO
 
 TIMEOUT = 240
@@ -74,6 +76,7 @@ class Terminal:
         os.write(self.master, text.encode())
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_history_recalls_the_line(tmp_path):
     out = tmp_path / "rows.jsonl"
     target = _random_target(tmp_path / "target")

@@ -338,6 +338,7 @@ def test_prompts_with_line_separators_round_trip(tmp_path):
     assert corpus.read_prompts(str(tmp_path / "c"), "r0") == prompts
 
 
+@pytest.mark.slow
 def test_shards_streamed_on_slots_are_the_batched_shards_greedy(tiny):
     """The slot engine's shards hold the batched decoder's greedy rows, row for row, a
     prompt too long for the slots is answered by the batched decoder, and the shards of a

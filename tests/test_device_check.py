@@ -39,6 +39,7 @@ def test_refuses_a_bad_train_minutes(tmp_path, capsys, value):
     assert not (tmp_path / "dc").exists()
 
 
+@pytest.mark.slow
 def test_allow_cpu_runs_the_tiny_check_and_writes_the_report(tmp_path):
     out = tmp_path / "dc"
     assert main(["--out", str(out), "--allow-cpu", "--samples", "2", "--train-minutes",

@@ -69,6 +69,7 @@ def test_pack_refuses_another_target_and_a_draft_with_its_own_embedding(family, 
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_convert_pack_and_unpack_and_bench_with_a_pack_is_lossless(family, tmp_path, capsys):
     pack, hf = tmp_path / "pack", tmp_path / "unpacked"
     assert convert.main(["pack-draft", "--src", str(family / "draft"), "--target",

@@ -154,6 +154,7 @@ def test_cli_streams_single_prompt(models, capsys):
     assert printed.strip() == tok.decode(ref[:eos_cut]).strip()
 
 
+@pytest.mark.slow
 def test_a_calibration_slower_than_ar_is_noted(models, capsys, tmp_path):
     import shutil
 

@@ -191,6 +191,7 @@ def run_cli(module, *args):
     return proc.returncode, proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_gguf_to_hf_and_orbax(tiny, tmp_path):
     from transformers import AutoTokenizer, LlamaForCausalLM
 

@@ -75,6 +75,7 @@ def _cli(*args):
                           cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
 
+@pytest.mark.slow
 def test_model_flags_name_a_draft_pack_and_its_stored_exits(tmp_path):
     """aot's --target / --draft take what every command's model flags take: the committed
     draft pack by name (its sidecar's shapes and stored exits: no config.json), and the

@@ -63,6 +63,7 @@ def test_lookup_n_range_and_length_and_ragged_ends():
     assert count[1:] == [3, 0] and toks[1, :3].tolist() == [5, 6, 4]
 
 
+@pytest.mark.slow
 def test_point_mass_in_the_lossless_rule_is_accept_with_p_and_p_without_x():
     p = jnp.asarray([[[0.2, 0.5, 0.3], [0.6, 0.3, 0.1]]], jnp.float32)  # [1, 2, V]
     x = jnp.asarray([[1]], jnp.int32)

@@ -24,6 +24,7 @@ def _sampled(probe, rounds_of_samples=3):
                 raise
 
 
+@pytest.mark.slow
 def test_a_draft_stop_adds_one_step_rounds_per_forced_exit():
     dec = make_decoder("s2d", (1, 2, 3), 3, thresholds=[0.3] * 3, stop_threshold=0.4)
     # the longest buffer the model allows and medians of 9: a round of this tiny model is

@@ -48,7 +48,7 @@ def test_error_is_within_half_a_step_of_its_group(bits, group):
     assert err.max() > (1e-4 if bits == 8 else 1e-2)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_memory_and_storage_sizes(tied):
     cfg = dataclasses.replace(CFG, tie_word_embeddings=tied)
     params = numpy_params(cfg)

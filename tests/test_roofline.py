@@ -122,6 +122,7 @@ def _round(method, exits, gamma):
     return RoundBound(method, round_bytes(compiled, setup), minimum_round_bytes(setup), gamma)
 
 
+@pytest.mark.slow
 def test_every_method_moves_at_least_its_minimum_and_more_work_more_bytes():
     """AR and SD at gamma 2 (S2D's escalation bounds: the 70B test in test_infer_aot.py)."""
     ar, sd = _round("ar", (), 1), _round("sd", (2,), 2)

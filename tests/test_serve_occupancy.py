@@ -45,6 +45,7 @@ def s2d_engine():
     return eng, tok
 
 
+@pytest.mark.slow
 def test_warm_up_measures_both_programs_at_every_row_bucket(s2d_engine):
     eng, _ = s2d_engine
     table = eng.policy.table()

@@ -38,6 +38,7 @@ def test_sub_vocab_logits_are_the_full_ones_on_the_head_and_floor_elsewhere():
     np.testing.assert_allclose(model.lm_logits(pre, dist.CFG, h), sub, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_drafted_tokens_stay_in_the_sub_vocabulary():
     cfg = dist.CFG
     p = with_exit_segments({**dist.params(), "head_ids": jnp.asarray(HEAD)}, (1, 3))
@@ -72,6 +73,7 @@ def test_soft_loss_on_the_sub_vocabulary_skips_tokens_outside_it():
     assert float(correct[0]) == hits.sum()
 
 
+@pytest.mark.slow
 def test_frozen_embedding_keeps_its_values_and_other_params_train():
     cfg, p = dist.CFG, dist.params()
     tx, _ = make_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, frozen=("embed",)), 10)
@@ -107,7 +109,8 @@ def test_greedy_with_a_sub_vocabulary_head_matches_target(method, exits):
     assert max(r["stats"]["mean_accepted_tokens"] for r in out) > 1.05  # drafts accepted
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+@pytest.mark.parametrize("temperature,top_p", [pytest.param(1.0, 1.0, marks=pytest.mark.slow),
+                                               (0.7, 0.8)])  # top-p truncation fast
 def test_sub_vocabulary_draft_sampling_matches_target_distribution(temperature, top_p):
     spec = SpecConfig(method="s2d", exits=(1, 2), gamma=2, max_len=16)
     dcfg = dataclasses.replace(dist.CFG, num_layers=2)

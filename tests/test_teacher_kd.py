@@ -45,6 +45,7 @@ def target(tmp_path_factory):
     return d, params
 
 
+@pytest.mark.slow
 def test_states_are_the_targets_final_normed_states(target):
     d, params = target
     lengths = [2, 5, 64, 65, 70, 130, 9]  # across padding buckets of 64
