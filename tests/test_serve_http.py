@@ -27,7 +27,9 @@ PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo! wherefore art thou Romeo?", "KING 
 BUDGETS = [12, 20, 9, 16]
 
 
-SETTINGS = dict(slots=4, max_len=64, chunk_rounds=3, max_queue=64, default_max_tokens=16)
+# the slot engine of tests/test_serve_slots.py (3 slots, 64 tokens, 3-round chunks): the same
+# programs, so the server's warm-up finds them compiled (CI time)
+SETTINGS = dict(slots=3, max_len=64, chunk_rounds=3, max_queue=64, default_max_tokens=16)
 
 
 def start(method):
@@ -67,8 +69,8 @@ def test_models_and_health(s2d_server):
     c = client(s2d_server)
     assert [m.id for m in c.models.list().data] == [MODEL]
     health = httpx.get(s2d_server.url + "/health").json()
-    assert health["status"] == "ok" and health["slots"] == 4 and health["method"] == "s2d"
-    assert health["rows"] in (1, 2, 4) and isinstance(health["speculating"], bool)
+    assert health["status"] == "ok" and health["slots"] == 3 and health["method"] == "s2d"
+    assert health["rows"] in (1, 2, 3) and isinstance(health["speculating"], bool)
     assert health["tokens_per_round"] > 0  # the warmed server's occupancy policy
 
 
