@@ -40,6 +40,31 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
     assert rows[-1]["gain_over_first"] == pytest.approx(rows[-1]["agreement"] - rows[0]["agreement"])
     assert rows[-1]["gain_over_first_se"] >= 0.0
     assert f"deepest minus shallowest, paired: 3 - 1: {rows[-1]['gain_over_first']:+.3f}" in printed
+    # escalation's ceiling: some exit right is at least every exit's agreement
+    last = rows[-1]
+    assert max(r["agreement"] for r in rows) <= last["oracle_agreement"] <= 1.0
+    assert last["oracle_gain_over_first"] == pytest.approx(
+        last["oracle_agreement"] - rows[0]["agreement"])
+    assert last["oracle_gamma1_speedup_cap"] == pytest.approx(
+        (1 + last["oracle_agreement"]) / (1 + rows[0]["agreement"]))
+    assert f"some exit right (escalation's ceiling at gamma 1): {last['oracle_agreement']:.3f}" \
+        in printed
+
+
+def test_escalation_bound_counts_a_token_once_when_several_exits_are_right():
+    import numpy as np
+
+    from s2d_jax.bench.agreement import escalation_bound
+    from s2d_jax.bench.exit_stats import ExitStats
+    # prompt 0: exit 1 right on token 0, exit 2 on tokens 0 and 1; prompt 1: neither
+    correct = [np.array([[True, True], [False, True], [False, False]]),
+               np.array([[False, False]])]
+    conf = [np.full((3, 2), 0.5), np.full((1, 2), 0.5)]
+    b = escalation_bound(ExitStats((1, 2), correct, conf))
+    assert b["oracle_agreement"] == pytest.approx(2 / 4)
+    assert b["oracle_gain_over_first"] == pytest.approx(1 / 4)
+    assert b["oracle_gamma1_speedup_cap"] == pytest.approx(1.5 / 1.25)
+    assert b["oracle_gain_se"] > 0
 
 
 def test_the_target_as_its_own_draft_agrees_everywhere(tmp_path):

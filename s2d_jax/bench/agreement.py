@@ -201,7 +201,27 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
     if len(rows) > 2:  # what escalating from the cheapest exit to the deepest can buy
         rows[-1]["gain_over_first"], rows[-1]["gain_over_first_se"] = paired_gain(
             stats, len(rows) - 1, 0)
+    if len(rows) > 1:
+        rows[-1].update(escalation_bound(stats))
     return rows
+
+
+def escalation_bound(stats: ExitStats) -> dict:
+    """The most any escalation rule can accept at gamma 1: the share of tokens on which
+    some exit's greedy token is the target's (an oracle that escalates exactly when a
+    deeper exit is right, at no cost), its paired gain over the first exit (s.e. by
+    prompt), and the speedup over the first exit alone that it caps at gamma 1, where a
+    round yields 1 + acceptance tokens: (1 + oracle) / (1 + first exit's agreement),
+    before the deeper exits' cost."""
+    any_hit = [c.any(axis=1).astype(np.float64) for c in stats.correct]
+    d = [a - c[:, 0] for a, c in zip(any_hit, stats.correct)]
+    n = sum(len(x) for x in d)
+    oracle = sum(a.sum() for a in any_hit) / n
+    gain = sum(x.sum() for x in d) / n
+    se = np.sqrt(sum((x - gain).sum() ** 2 for x in d)) / n
+    return {"oracle_agreement": float(oracle), "oracle_gain_over_first": float(gain),
+            "oracle_gain_se": float(se),
+            "oracle_gamma1_speedup_cap": float((1 + oracle) / (1 + oracle - gain))}
 
 
 def summary_lines(name: str, rows: list[dict]) -> list[str]:
@@ -218,6 +238,13 @@ def summary_lines(name: str, rows: list[dict]) -> list[str]:
         lines.append(f"  deepest minus shallowest, paired: {rows[-1]['exit']} - "
                      f"{rows[0]['exit']}: {rows[-1]['gain_over_first']:+.3f} "
                      f"({rows[-1]['gain_over_first_se']:.3f})")
+    if "oracle_agreement" in rows[-1]:
+        r = rows[-1]
+        lines.append(f"  some exit right (escalation's ceiling at gamma 1): "
+                     f"{r['oracle_agreement']:.3f}, {r['oracle_gain_over_first']:+.3f} "
+                     f"({r['oracle_gain_se']:.3f}) over exit {rows[0]['exit']}; at most "
+                     f"{r['oracle_gamma1_speedup_cap']:.3f}x exit {rows[0]['exit']} alone "
+                     f"before the deeper exits' cost")
     return lines
 
 
