@@ -11,7 +11,9 @@ target's (greedy SD at gamma 1 accepts 1 + that many tokens per round, Lemma 3.1
 chance that speculative sampling at T = 1 accepts the exit's draft there (sum_v min(p, q),
 on the same greedy contexts), how often the exit's confidence reaches 0.5, and each deeper
 exit's agreement gain over the one before it, paired on the same tokens with its standard
-error; --out-file FILE also writes them as JSON. Memory does not grow with --max-prompts
+error; then each exit's greedy MAT at gamma 1-4 replayed along the answers, and escalation's
+ceiling: the share of tokens some exit is right on and the speedup over the first exit alone
+that an oracle escalating for free would reach at each gamma; --out-file FILE also writes them as JSON. Memory does not grow with --max-prompts
 (48 Spec-Bench first turns fit in a few GB).
 """
 

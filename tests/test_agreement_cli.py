@@ -45,10 +45,20 @@ def test_agreement_per_exit_and_draft(tmp_path, capsys):
     assert max(r["agreement"] for r in rows) <= last["oracle_agreement"] <= 1.0
     assert last["oracle_gain_over_first"] == pytest.approx(
         last["oracle_agreement"] - rows[0]["agreement"])
-    assert last["oracle_gamma1_speedup_cap"] == pytest.approx(
-        (1 + last["oracle_agreement"]) / (1 + rows[0]["agreement"]))
-    assert f"some exit right (escalation's ceiling at gamma 1): {last['oracle_agreement']:.3f}" \
-        in printed
+    assert f"some exit right (escalation's ceiling): {last['oracle_agreement']:.3f}" in printed
+    # greedy MAT replayed per gamma: a longer draft never takes more rounds here, and the
+    # oracle (right wherever the first exit is, and more) never more than the first exit
+    for r in rows:
+        mats = [r["greedy_mat"][str(g)] for g in (1, 2, 3, 4)]
+        assert 1.0 <= mats[0] <= 2.0 and mats == sorted(mats)
+    assert [c["gamma"] for c in last["oracle_chain"]] == [1, 2, 3, 4]
+    for c in last["oracle_chain"]:
+        assert c["first_exit_mat"] == rows[0]["greedy_mat"][str(c["gamma"])]
+        assert c["oracle_mat"] >= max(r["greedy_mat"][str(c["gamma"])] for r in rows)
+        assert c["speedup_cap"] == pytest.approx(c["oracle_mat"] / c["first_exit_mat"])
+        assert c["speedup_cap"] >= 1.0 and c["speedup_cap_se"] >= 0.0
+    assert "greedy MAT at gamma 1 / 2 / 3 / 4 (replayed along the answers): exit 1 " \
+        f"{rows[0]['greedy_mat']['1']:.2f}" in printed
 
 
 def test_escalation_bound_counts_a_token_once_when_several_exits_are_right():
@@ -60,11 +70,17 @@ def test_escalation_bound_counts_a_token_once_when_several_exits_are_right():
     correct = [np.array([[True, True], [False, True], [False, False]]),
                np.array([[False, False]])]
     conf = [np.full((3, 2), 0.5), np.full((1, 2), 0.5)]
-    b = escalation_bound(ExitStats((1, 2), correct, conf))
+    b = escalation_bound(ExitStats((1, 2), correct, conf), gammas=(1, 2))
     assert b["oracle_agreement"] == pytest.approx(2 / 4)
     assert b["oracle_gain_over_first"] == pytest.approx(1 / 4)
-    assert b["oracle_gamma1_speedup_cap"] == pytest.approx(1.5 / 1.25)
     assert b["oracle_gain_se"] > 0
+    # gamma 1: both take 2 rounds for prompt 0's 3 tokens (a hit skips the next guess) and 1
+    # for prompt 1's; gamma 2: the oracle's [T, T] writes prompt 0 in one round, exit 1's
+    # [T, F] in two
+    g1, g2 = b["oracle_chain"]
+    assert (g1["first_exit_mat"], g1["oracle_mat"], g1["speedup_cap"]) == (4 / 3, 4 / 3, 1.0)
+    assert (g2["first_exit_mat"], g2["oracle_mat"]) == (4 / 3, 2.0)
+    assert g2["speedup_cap"] == pytest.approx(1.5) and g2["speedup_cap_se"] > 0
 
 
 def test_the_target_as_its_own_draft_agrees_everywhere(tmp_path):

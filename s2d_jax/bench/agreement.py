@@ -5,8 +5,9 @@ predicts each next token at each of its exits. Per draft and exit: the share of 
 tokens whose greedy prediction is the target's (greedy SD at gamma 1 accepts 1 + that
 many tokens per round, Lemma 3.1), the mean chance that speculative sampling at T = 1
 accepts the exit's draft there (sum_v min(p, q), on the same greedy contexts), how often
-the exit's confidence reaches 0.5, and each deeper exit's agreement gain over the one
-before it, paired on the same tokens with its standard error.
+the exit's confidence reaches 0.5, each deeper exit's agreement gain over the one before
+it, paired on the same tokens with its standard error, the exit's greedy MAT at gamma 1-4
+replayed along the answers, and escalation's ceiling (escalation.py).
 
 Memory does not grow with the number of prompts: the target answers in batches of at most
 `batch_slots` cache slots (long Spec-Bench prompts one batch of their own), and each prompt
@@ -23,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax.bench.exit_stats import ExitStats
+from s2d_jax.bench.escalation import GAMMAS, escalation_bound, greedy_mats
+from s2d_jax.bench.exit_stats import ExitStats, token_mean
 from s2d_jax.decode.defaults import buffer_len, prompt_width, round_up
 from s2d_jax.errors import S2DError
 
@@ -155,18 +157,12 @@ def paired_gain(stats: ExitStats, j: int, i: int | None = None) -> tuple[float, 
     """Exit j's greedy agreement minus exit i's (default j - 1) on the same tokens, and its
     standard error clustered by prompt (tokens of one answer are not independent)."""
     i = j - 1 if i is None else i
-    d = [c[:, j].astype(np.float64) - c[:, i] for c in stats.correct]
-    n = sum(len(x) for x in d)
-    mean = sum(x.sum() for x in d) / n
-    return float(mean), float(np.sqrt(sum((x - mean).sum() ** 2 for x in d)) / n)
+    return token_mean([c[:, j].astype(np.float64) - c[:, i] for c in stats.correct])
 
 
 def agreement_se(stats: ExitStats, j: int) -> float:
     """Standard error of exit j's greedy agreement, clustered by prompt (as paired_gain)."""
-    c = [x[:, j].astype(np.float64) for x in stats.correct]
-    n = sum(len(x) for x in c)
-    mean = sum(x.sum() for x in c) / n
-    return float(np.sqrt(sum((x - mean).sum() ** 2 for x in c)) / n)
+    return token_mean([x[:, j].astype(np.float64) for x in stats.correct])[1]
 
 
 def measurable_exits(rows: list[dict], z: float = 2.0) -> list[int]:
@@ -194,7 +190,8 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
                                           if (conf[:, j] >= 0.5).any() else None),
              # per prompt: drafts scored on the same answers can be compared paired
              "prompt_hits": [int(c[:, j].sum()) for c in stats.correct],
-             "prompt_tokens": [int(c.shape[0]) for c in stats.correct]}
+             "prompt_tokens": [int(c.shape[0]) for c in stats.correct],
+             "greedy_mat": dict(zip(map(str, GAMMAS), greedy_mats(stats, j)))}
             for j, e in enumerate(stats.exits)]
     for j in range(1, len(rows)):
         rows[j]["gain_over_previous"], rows[j]["gain_se"] = paired_gain(stats, j)
@@ -204,24 +201,6 @@ def exit_agreement(stats: ExitStats, accept_t1=None) -> list[dict]:
     if len(rows) > 1:
         rows[-1].update(escalation_bound(stats))
     return rows
-
-
-def escalation_bound(stats: ExitStats) -> dict:
-    """The most any escalation rule can accept at gamma 1: the share of tokens on which
-    some exit's greedy token is the target's (an oracle that escalates exactly when a
-    deeper exit is right, at no cost), its paired gain over the first exit (s.e. by
-    prompt), and the speedup over the first exit alone that it caps at gamma 1, where a
-    round yields 1 + acceptance tokens: (1 + oracle) / (1 + first exit's agreement),
-    before the deeper exits' cost."""
-    any_hit = [c.any(axis=1).astype(np.float64) for c in stats.correct]
-    d = [a - c[:, 0] for a, c in zip(any_hit, stats.correct)]
-    n = sum(len(x) for x in d)
-    oracle = sum(a.sum() for a in any_hit) / n
-    gain = sum(x.sum() for x in d) / n
-    se = np.sqrt(sum((x - gain).sum() ** 2 for x in d)) / n
-    return {"oracle_agreement": float(oracle), "oracle_gain_over_first": float(gain),
-            "oracle_gain_se": float(se),
-            "oracle_gamma1_speedup_cap": float((1 + oracle) / (1 + oracle - gain))}
 
 
 def summary_lines(name: str, rows: list[dict]) -> list[str]:
@@ -238,13 +217,20 @@ def summary_lines(name: str, rows: list[dict]) -> list[str]:
         lines.append(f"  deepest minus shallowest, paired: {rows[-1]['exit']} - "
                      f"{rows[0]['exit']}: {rows[-1]['gain_over_first']:+.3f} "
                      f"({rows[-1]['gain_over_first_se']:.3f})")
+    gammas = " / ".join(rows[0]["greedy_mat"])
+    lines.append(f"  greedy MAT at gamma {gammas} (replayed along the answers): " + ", ".join(
+        f"exit {r['exit']} " + " / ".join(f"{v:.2f}" for v in r["greedy_mat"].values())
+        for r in rows))
     if "oracle_agreement" in rows[-1]:
-        r = rows[-1]
-        lines.append(f"  some exit right (escalation's ceiling at gamma 1): "
-                     f"{r['oracle_agreement']:.3f}, {r['oracle_gain_over_first']:+.3f} "
-                     f"({r['oracle_gain_se']:.3f}) over exit {rows[0]['exit']}; at most "
-                     f"{r['oracle_gamma1_speedup_cap']:.3f}x exit {rows[0]['exit']} alone "
-                     f"before the deeper exits' cost")
+        r, first = rows[-1], rows[0]["exit"]
+        chain = r["oracle_chain"]
+        lines.append(f"  some exit right (escalation's ceiling): {r['oracle_agreement']:.3f}, "
+                     f"{r['oracle_gain_over_first']:+.3f} ({r['oracle_gain_se']:.3f}) over "
+                     f"exit {first}; its MAT " + " / ".join(f"{c['oracle_mat']:.2f}"
+                                                             for c in chain)
+                     + ", at most " + " / ".join(
+                         f"{c['speedup_cap']:.3f}x ({c['speedup_cap_se']:.3f})" for c in chain)
+                     + f" exit {first} alone at that gamma, before the deeper exits' cost")
     return lines
 
 

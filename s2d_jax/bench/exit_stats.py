@@ -63,3 +63,17 @@ def exit_stats(draft_cfg, draft_params, exits, prompts: list[list[int]],
         correct.append(ids[0, lo:hi] == target)
         conf.append(cf[0, lo:hi])
     return ExitStats(exits, correct, conf)
+
+
+def clustered_ratio(num, den) -> tuple[float, float]:
+    """sum(num) / sum(den) over prompts (per-prompt totals) and its standard error clustered
+    by prompt, by the delta method: the tokens of one answer are not independent. A mean
+    over tokens is the case den = tokens per prompt."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    ratio = num.sum() / den.sum()
+    return float(ratio), float(np.sqrt(((num - ratio * den) ** 2).sum()) / den.sum())
+
+
+def token_mean(per_prompt) -> tuple[float, float]:
+    """The mean over all tokens of per-prompt arrays and its clustered s.e."""
+    return clustered_ratio([x.sum() for x in per_prompt], [len(x) for x in per_prompt])

@@ -28,6 +28,7 @@ import itertools
 import numpy as np
 
 from s2d_jax.bench import theory
+from s2d_jax.bench.escalation import simulate
 from s2d_jax.bench.exit_stats import ExitStats, exit_stats  # noqa: F401 (part of this API)
 from s2d_jax.decode.methods import DEFAULT_GAMMA
 from s2d_jax.errors import S2DError
@@ -42,50 +43,6 @@ def exit_subsets(exits) -> list[tuple[int, ...]]:
 
 def exits_key(exits) -> str:
     return ",".join(str(int(e)) for e in exits)
-
-
-def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dict:
-    """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round",
-    "rounds", "tokens"} (tokens: those the rounds add; each prompt's first token comes from
-    the prefill).
-
-    A round adds at most what is left of the trajectory (the engine cuts at max_new_tokens
-    and EOS). stop > 0: the dynamic draft length (chain.draft_block): after a drafted token
-    whose kept exit's confidence is below `stop`, the round drafts nothing more.
-
-    Exact for the engine's greedy MAT with exact draft keys/values (kv_fill="full"): a
-    round's accepted prefix only depends on drafted tokens whose inputs are the target's.
-    Exit usage is exact for gamma 1; with a longer block the engine drafts the tokens after
-    a rejection (and the last round's tokens past the trajectory) from its own guesses,
-    which the replay scores on the target's tokens."""
-    th = np.asarray(thresholds, np.float32)
-    m = th.shape[0]
-    usage = np.zeros(m, np.int64)
-    rounds = tokens = 0
-    for correct, conf in zip(stats.correct, stats.conf):
-        n = correct.shape[0]
-        if n == 0:
-            continue
-        stop_at = (conf >= th[None]) & (th[None] < 1.0)
-        stop_at[:, -1] = True
-        exit_idx = np.argmax(stop_at, axis=1)
-        ok = correct[np.arange(n), exit_idx]
-        sure = conf[np.arange(n), exit_idx] >= stop
-        k = 0
-        while k < n:
-            g = min(gamma, n - k)
-            unsure = np.flatnonzero(~sure[k:k + g - 1])  # drafting ends after the first
-            g = int(unsure[0]) + 1 if unsure.size else g
-            window = ok[k:k + g]
-            a = int(np.argmin(window)) if not window.all() else g
-            np.add.at(usage, exit_idx[k:k + g], 1)
-            added = min(a + 1, n - k)
-            rounds += 1
-            tokens += added
-            k += added
-    return {"mean_accepted_tokens": tokens / max(rounds, 1), "exit_usage": usage.tolist(),
-            "draft_steps_per_round": float(usage.sum()) / max(rounds, 1),
-            "rounds": rounds, "tokens": tokens}
 
 
 def threshold_grid(num_exits: int, values=None) -> list[tuple[float, ...]]:
