@@ -72,6 +72,33 @@ def test_a_stopped_run_continues_from_its_committed_progress_as_the_same_run(tmp
         run(config(tmp_path, "split", **{"model.continue_from": progress, "data.seed": 5}))
 
 
+def test_the_recipe_keeps_every_leg_of_a_run_across_checkpoints_and_lost_machines(tmp_path):
+    from s2d_jax.train.continuation import LEGS
+    from s2d_jax.train.loop import RECIPE
+
+    def legs(name):
+        recipe = json.loads((tmp_path / name / "hf" / RECIPE).read_text())
+        assert recipe["start"] == recipe["legs"][-1]["start"]
+        return [(x["start"].split(" from ")[0].split(" at ")[0], x["from_step"], x["to_step"],
+                 x["lost"] is not None) for x in recipe["legs"]]
+
+    run(config(tmp_path, "legs", stop_after_minutes=1e-9))  # session 1: step 1, then stops
+    assert legs("legs") == [("initialised", 0, 1, False)]
+    run(config(tmp_path, "legs", stop_after_minutes=1e-9))  # session 2, same machine: step 2
+    assert legs("legs") == [("initialised", 0, 1, False), ("resumed", 1, 2, False)]
+    assert json.loads((tmp_path / "legs" / "ckpt" / LEGS).read_text())[-1]["from_step"] == 1
+    # the machine is lost; session 3 continues from what was committed, to the end
+    shutil.copytree(tmp_path / "legs" / "hf", tmp_path / "committed")
+    shutil.rmtree(tmp_path / "legs")
+    run(config(tmp_path, "legs", **{"model.continue_from": tmp_path / "committed"}))
+    assert legs("legs") == [("initialised", 0, 1, False), ("resumed", 1, 2, False),
+                            ("continued", 2, STEPS, True)]
+    # legs read back get the checks of a flag: a malformed file is refused, naming it
+    (tmp_path / "legs" / "ckpt" / LEGS).write_text('[{"start": 3}]')
+    with pytest.raises(S2DError, match=f"{LEGS} has malformed run legs"):
+        run(config(tmp_path, "legs"))
+
+
 def test_progress_without_a_recipe_or_step_is_refused_and_a_new_path_starts_fresh(tmp_path):
     from s2d_jax.train.continuation import committed_progress
     assert committed_progress(str(tmp_path / "not-yet"), {}) is None

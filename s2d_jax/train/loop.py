@@ -205,17 +205,20 @@ def prepare(tc: TrainConfig, devices=None) -> PreparedRun:
 
 
 def restore_or_init(run: PreparedRun, manager, plan: dict | None = None):
-    """(state, start step, how it began): the latest checkpoint of `manager` (the data
-    iterator put back where it was); else this run's committed progress
-    (`model.continue_from`, train/continuation.py: its step and data position, new
-    moments); else the initial params (from `model.init_from`'s committed draft, if set)."""
+    """(state, start step, the run's legs, the last one this session's): the latest
+    checkpoint of `manager` (the data iterator put back where it was); else this run's
+    committed progress (`model.continue_from`, train/continuation.py: its step and data
+    position, new moments); else the initial params (from `model.init_from`'s committed
+    draft, if set)."""
     restored = (ckpt.restore_latest(manager, abstract_state(run.cfg, run.tx, run.shardings),
                                     getattr(run.iterator, "state_per_process", True))
                 if manager else None)
     if restored is not None:
         state, data_state, start = restored
         run.iterator.set_state(data_state)
-        return state, start, f"resumed from its checkpoint at step {start}"
+        return state, start, continuation.then(
+            continuation.checkpoint_legs(run.tc.checkpoint.dir),
+            continuation.leg(f"resumed from its checkpoint at step {start}", start))
     params = initial_params(run.cfg, run.source, run.mesh, run.tc.seed)
     model_tc = run.tc.model
     step = (continuation.committed_progress(model_tc.continue_from,
@@ -226,13 +229,16 @@ def restore_or_init(run: PreparedRun, manager, plan: dict | None = None):
         params = warm_start(params, run.cfg, model_tc.continue_from, lost=continuation.LOST,
                             why=f"this run's progress at step {step}")
         continuation.skip_batches(run.iterator, step)
-        return (continuation.at_step(run.init_fn(params), step), step,
-                f"continued at step {step} from its committed progress {model_tc.continue_from}")
+        return continuation.at_step(run.init_fn(params), step), step, continuation.then(
+            continuation.committed_legs(model_tc.continue_from), continuation.leg(
+                f"continued at step {step} from its committed progress "
+                f"{model_tc.continue_from}", step, lost=continuation.LOST))
     if model_tc.init_from:  # the checkpoint is gone: the last committed draft
         from s2d_jax.train.warm_start import warm_start
         params = warm_start(params, run.cfg, model_tc.init_from)
-        return run.init_fn(params), 0, f"warm start from {model_tc.init_from}"
-    return run.init_fn(params), 0, f"initialised from {model_tc.path}"
+        return run.init_fn(params), 0, [continuation.leg(f"warm start from {model_tc.init_from}",
+                                                         0)]
+    return run.init_fn(params), 0, [continuation.leg(f"initialised from {model_tc.path}", 0)]
 
 
 def run_steps(run: PreparedRun, state, start: int, manager=None, hooks=()):
@@ -299,7 +305,9 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
     plan = ckpt.run_plan(tc, data_slice)
     if manager:
         ckpt.check_run_plan(tc.checkpoint.dir, plan, manager.latest_step() is not None)
-    state, start, begun = restore_or_init(run, manager, plan)
+    state, start, legs = restore_or_init(run, manager, plan)
+    if manager:
+        continuation.keep_legs(tc.checkpoint.dir, legs)
     bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
     hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]
     if tc.stop_after_step:  # debug: simulate a crash right after this step
@@ -311,7 +319,7 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
     if tc.export_dir:
         export_draft(tc, run.cfg, run.exits, state.params, run.head_ids)
         if jax.process_index() == 0:
-            write_recipe(tc.export_dir, plan, data_slice, begun, int(state.step),
+            write_recipe(tc.export_dir, plan, data_slice, legs, int(state.step),
                          run.total_steps)
     return {"state": state, "history": history, "cfg": run.cfg, "exits": run.exits,
             "start_step": start, "total_steps": run.total_steps,
@@ -321,18 +329,19 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
 RECIPE = continuation.RECIPE
 
 
-def write_recipe(export_dir: str, plan: dict, data_slice, begun: str, step: int,
-                 total_steps: int) -> None:
+def write_recipe(export_dir: str, plan: dict, data_slice, legs: list[dict], step: int,
+                  total_steps: int) -> None:
     """The exported draft's recipe beside its weights: the run's settings, the data it
-    read (a corpus's shard files and sha256s, token counts), how it started and the step
-    it reached of its total (a run continued from it reads plan and steps back,
-    train/continuation.py)."""
+    read (a corpus's shard files and sha256s, token counts), how this session's leg began
+    ("start"), the step it reached of its total (a run continued from it reads plan and
+    steps back, train/continuation.py) and every leg of the run, the last ending here."""
     import json
 
     from s2d_jax.io.atomic import write_atomic
+    legs = [*legs[:-1], dict(legs[-1], to_step=step)]
     write_atomic(os.path.join(export_dir, RECIPE), json.dumps(
-        {"plan": plan, "data_slice": data_slice, "start": begun, "steps": step,
-         "total_steps": total_steps}, indent=1) + "\n")
+        {"plan": plan, "data_slice": data_slice, "start": legs[-1]["start"], "steps": step,
+         "total_steps": total_steps, "legs": ckpt.portable(legs)}, indent=1) + "\n")
 
 
 def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None) -> None:
