@@ -115,6 +115,41 @@ def test_rank_configs_prefers_the_cheaper_exit_when_it_is_as_good():
         calibrate.predict_config(st, costs, [0.0], 3, (2,))
 
 
+def test_the_oracle_ceiling_at_measured_costs_by_hand():
+    """An oracle drafting each token at the shallowest right exit, priced by the whole set's
+    probe, over the fastest single exit: above 1 where the exits are right on different
+    tokens, below 1 where one exit is always right (the escalating decoder's checks cost)."""
+    verify, steps = 1.2, {(2,): [0.1], (4,): [0.3], (2, 4): [0.12, 0.35]}
+    costs = {"ar": {"prefill_s": 2.0, "round_s": [1.0]},
+             "settings": {calibrate.setting_key(e, 1): _loop(2.5, verify, c, 1)
+                          for e, c in steps.items()}}
+    # gamma 1, 6 drafted positions, T_AR = 2 + 7 x 1 = 9. Exit 2 ok at T,T,F,T,T,F: rounds
+    # +2,+1,+2,+1 = 4 (1.3 each); exit 4 ok at F,F,T,F,F,T: 5 rounds (1.5 each). The oracle
+    # is right everywhere: 3 rounds drafting 0, 2, 4 at exits 2, 4, 2 (1.32, 1.55, 1.32).
+    e2 = np.array([1, 1, 0, 1, 1, 0], bool)
+    st = calibrate.ExitStats((2, 4), [np.stack([e2, ~e2], 1)], [np.full((6, 2), 0.5)])
+    assert [x.tolist() for x in calibrate.oracle_exits(st)] == [[0, 0, 1, 0, 0, 1]]
+    out = calibrate.oracle_ceiling(st, costs)
+    assert out["best_single"]["exits"] == [2]
+    assert out["best_single"]["predicted_speedup"] == pytest.approx(9 / (2.5 + 4 * 1.3))
+    (oracle,) = out["oracle"]
+    assert oracle["exit_usage"] == [2, 1] and oracle["mean_accepted_tokens"] == 2
+    assert oracle["predicted_speedup"] == pytest.approx(9 / (2.5 + 3 * (2 * 1.32 + 1.55) / 3))
+    assert out["ceiling_over_best_single"] == pytest.approx(
+        (2.5 + 4 * 1.3) / (2.5 + 2 * 1.32 + 1.55))
+    # exit 4 always right, exit 2 never: the oracle is exit 4 with the checks' price
+    st = calibrate.ExitStats((2, 4), [np.stack([np.zeros(4, bool), np.ones(4, bool)], 1)],
+                             [np.full((4, 2), 0.5)])
+    out = calibrate.oracle_ceiling(st, costs)
+    assert out["best_single"]["exits"] == [4]
+    assert out["ceiling_over_best_single"] == pytest.approx((2.5 + 2 * 1.5) / (2.5 + 2 * 1.55))
+    assert out["ceiling_over_best_single"] < 1
+    # no whole-set probe, or a single exit: nothing to bound
+    assert calibrate.oracle_ceiling(st, {**costs, "settings": {
+        k: v for k, v in costs["settings"].items() if "," not in k}}) is None
+    assert calibrate.oracle_ceiling(st.select((4,)), costs) is None
+
+
 def test_accuracy_by_confidence_by_hand():
     # exit 1: confident tokens 0 and 1 (one right); exit 2: only token 3, right
     correct = np.array([[True, False], [False, False], [True, True], [False, True]])
@@ -187,10 +222,14 @@ def test_calibrate_cli_writes_a_valid_config(family, capsys):
         shares = [levels[t]["share"] for t in ("0.3", "0.5", "0.7", "0.9")]
         assert all(a >= b for a, b in zip(shares, shares[1:])) and 0.0 <= shares[0] <= 1.0
     assert rep["costs"]["settings"]["1,2@2"]["rounds"] == 8  # --probe-rounds
+    ceiling = rep["oracle_ceiling"]  # the whole set's probe at gamma 2, both single exits
+    assert [r["gamma"] for r in ceiling["oracle"]] == [2]
+    assert ceiling["best_single"]["exits"] in ([1], [2]) and ceiling["ceiling_over_best_single"] > 0
     assert cfg["thresholds"][-1] == 0.0 and cfg["gamma"] == 2
     assert cfg["stop_threshold"] in (0.0, 0.5)
     cap = capsys.readouterr()
     assert "draft stop 0.5:" in cap.err and "x the speedup of 0.5" in cap.out
+    assert "x the fastest single exit" in cap.err
     assert set(cfg["exits"]) <= {1, 2} and len(cfg["thresholds"]) == len(cfg["exits"])
     assert cfg["measured_speedup"] > 0
     assert cfg["paper_thresholds_measured_speedup"] > 0

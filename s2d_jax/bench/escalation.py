@@ -14,7 +14,8 @@ from s2d_jax.bench.exit_stats import ExitStats, clustered_ratio, token_mean
 GAMMAS = (1, 2, 3, 4)
 
 
-def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dict:
+def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0,
+             chosen: list | None = None) -> dict:
     """Replay greedy rounds -> {"mean_accepted_tokens", "exit_usage", "draft_steps_per_round",
     "rounds", "tokens"} (tokens: those the rounds add; each prompt's first token comes from
     the prefill).
@@ -27,18 +28,18 @@ def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dic
     round's accepted prefix only depends on drafted tokens whose inputs are the target's.
     Exit usage is exact for gamma 1; with a longer block the engine drafts the tokens after
     a rejection (and the last round's tokens past the trajectory) from its own guesses,
-    which the replay scores on the target's tokens."""
+    which the replay scores on the target's tokens.
+
+    chosen: per prompt, the exit index each token's drafting stops at, in place of the
+    thresholds' choice (an oracle's: `oracle_exits`)."""
     th = np.asarray(thresholds, np.float32)
-    m = th.shape[0]
-    usage = np.zeros(m, np.int64)
+    usage = np.zeros(len(stats.exits), np.int64)
     rounds = tokens = 0
-    for correct, conf in zip(stats.correct, stats.conf):
+    for i, (correct, conf) in enumerate(zip(stats.correct, stats.conf)):
         n = correct.shape[0]
         if n == 0:
             continue
-        stop_at = (conf >= th[None]) & (th[None] < 1.0)
-        stop_at[:, -1] = True
-        exit_idx = np.argmax(stop_at, axis=1)
+        exit_idx = threshold_exits(conf, th) if chosen is None else np.asarray(chosen[i])
         ok = correct[np.arange(n), exit_idx]
         sure = conf[np.arange(n), exit_idx] >= stop
         k = 0
@@ -56,6 +57,20 @@ def simulate(stats: ExitStats, thresholds, gamma: int, stop: float = 0.0) -> dic
     return {"mean_accepted_tokens": tokens / max(rounds, 1), "exit_usage": usage.tolist(),
             "draft_steps_per_round": float(usage.sum()) / max(rounds, 1),
             "rounds": rounds, "tokens": tokens}
+
+
+def threshold_exits(conf: np.ndarray, th: np.ndarray) -> np.ndarray:
+    """[n] the exit each token stops at: the first whose confidence reaches its threshold
+    (1.0: never), else the last."""
+    stop_at = (conf >= th[None]) & (th[None] < 1.0)
+    stop_at[:, -1] = True
+    return np.argmax(stop_at, axis=1)
+
+
+def oracle_exits(stats: ExitStats) -> list[np.ndarray]:
+    """Per prompt, an oracle's exit for each token: the shallowest exit whose greedy token
+    is the target's, or the first (the cheapest) where none is."""
+    return [np.argmax(c, axis=1) for c in stats.correct]  # argmax of all-False: 0
 
 
 def chain_rounds(correct: list, gamma: int) -> np.ndarray:

@@ -28,7 +28,7 @@ import itertools
 import numpy as np
 
 from s2d_jax.bench import theory
-from s2d_jax.bench.escalation import simulate
+from s2d_jax.bench.escalation import oracle_exits, simulate
 from s2d_jax.bench.exit_stats import ExitStats, exit_stats  # noqa: F401 (part of this API)
 from s2d_jax.decode.methods import DEFAULT_GAMMA
 from s2d_jax.errors import S2DError
@@ -101,7 +101,7 @@ def derive_subset_costs(settings: dict, exits, gammas) -> dict:
 
 def predict_config(stats: ExitStats, costs: dict, thresholds, gamma: int, exits=None,
                    stop: float = 0.0, prefill_s: float | None = None,
-                   ar_prefill_s: float | None = None) -> dict | None:
+                   ar_prefill_s: float | None = None, chosen: list | None = None) -> dict | None:
     """Simulated MAT / exit usage and the predicted speedup of one (exits, thresholds, gamma,
     draft stop), by the benchmark's own formula (theory.loop_prediction).
 
@@ -109,9 +109,10 @@ def predict_config(stats: ExitStats, costs: dict, thresholds, gamma: int, exits=
     them): "ar" the target's AR probe, "settings" {setting_key: probe of an S2D decoder
     with those exits and gamma} ("one_step_round_s" needed when stop > 0). prefill_s,
     ar_prefill_s: the run's prefills (summed over its prompts) where a run measured them,
-    in place of the probe prompt's (theory.loop_speedup)."""
+    in place of the probe prompt's (theory.loop_speedup). chosen: each token's exit index
+    in place of the thresholds' choice (simulate)."""
     exits = tuple(stats.exits if exits is None else exits)
-    sim = simulate(stats.select(exits), thresholds, gamma, stop)
+    sim = simulate(stats.select(exits), thresholds, gamma, stop, chosen)
     if sum(sim["exit_usage"]) == 0:
         return None
     key = setting_key(exits, gamma)
@@ -146,6 +147,33 @@ def rank_configs(stats: ExitStats, costs: dict, values=None) -> list[dict]:
                 out.append(r)
     out.sort(key=lambda r: -r["predicted_speedup"])
     return out
+
+
+def oracle_ceiling(stats: ExitStats, costs: dict) -> dict | None:
+    """What escalating between the exits could buy at most at the measured round costs: an
+    oracle that drafts each token at the shallowest exit that is right (the first where none
+    is) with every exit's decoder (its checks and round costs), predicted by the benchmark's
+    formula at each gamma whose whole-set costs were probed, over the fastest predicted
+    single exit at any gamma. No threshold rule beats this oracle at the same gamma; None
+    with one exit or without a whole-set and a single-exit probe."""
+    exits = tuple(stats.exits)
+    if len(exits) < 2:
+        return None
+    probed = [parse_setting_key(k) for k in costs["settings"]]
+    singles = [predict_config(stats, costs, [0.0], g, ex) for ex, g in probed
+               if len(ex) == 1 and ex[0] in exits]
+    chosen = oracle_exits(stats)
+    oracle = [predict_config(stats, costs, [0.0] * len(exits), g, exits, chosen=chosen)
+              for ex, g in sorted(probed, key=lambda p: p[1]) if ex == exits]
+    singles, oracle = [r for r in singles if r], [r for r in oracle if r]
+    if not singles or not oracle:
+        return None
+    best = max(singles, key=lambda r: r["predicted_speedup"])
+    top = max(oracle, key=lambda r: r["predicted_speedup"])
+    keep = ("gamma", "predicted_speedup", "mean_accepted_tokens", "exit_usage")
+    return {"best_single": {k: best[k] for k in ("exits",) + keep},
+            "oracle": [{k: r[k] for k in keep} for r in oracle],
+            "ceiling_over_best_single": top["predicted_speedup"] / best["predicted_speedup"]}
 
 
 def finalists(rows: list[dict], k: int) -> list[dict]:
@@ -218,4 +246,5 @@ def calibration_report(stats: ExitStats, costs: dict, measured: list[dict], *, t
                 {k: r[k] for k in ("exits", "thresholds", "gamma", "predicted_speedup",
                                    "mean_accepted_tokens", "exit_usage")}
                 for r in best.values()],
+            "oracle_ceiling": oracle_ceiling(stats, costs),
             "costs": costs}

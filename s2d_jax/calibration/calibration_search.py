@@ -31,6 +31,7 @@ def calibrate_target(opts: CalibrateOptions, name: str, path: str, log=stderr_lo
     from s2d_jax.decode import serving_config
     cal = Calibration(opts, name, path, log)
     cal.measure_stats_and_costs()
+    log_ceiling(cal)
     found = candidates(cal)
     log(f"[{name}] measuring {len(found)} settings: every single exit at every gamma, "
         f"the best {opts.check} predicted multi-exit ones, the best multi-exit one per "
@@ -43,6 +44,19 @@ def calibrate_target(opts: CalibrateOptions, name: str, path: str, log=stderr_lo
     record = serving_config.serving_record(path, opts.draft, best, paper, opts.questions,
                                            len(cal.prompts), opts.max_new_tokens)
     return CalibrationResult(best, paper, rows, record, cal)
+
+
+def log_ceiling(cal: Calibration) -> None:
+    """Escalation's ceiling at the measured costs (calibrate.oracle_ceiling): where it is
+    below 1, no threshold can make the exits beat the fastest one alone."""
+    from s2d_jax.calibration import calibrate
+    out = calibrate.oracle_ceiling(cal.stats, cal.costs)
+    if out is not None:
+        b = out["best_single"]
+        cal.log(f"[{cal.name}] an oracle drafting each token at the shallowest right exit, at "
+                f"these round costs: predicted {out['ceiling_over_best_single']:.3f}x the "
+                f"fastest single exit (exit {b['exits'][0]}, gamma {b['gamma']}, predicted "
+                f"{b['predicted_speedup']:.2f}x AR)")
 
 
 def candidates(cal: Calibration) -> dict:
