@@ -53,10 +53,13 @@ def log_ceiling(cal: Calibration) -> None:
     out = calibrate.oracle_ceiling(cal.stats, cal.costs)
     if out is not None:
         b = out["best_single"]
+        per_gamma = ", ".join(f"gamma {r['gamma']} {r['predicted_speedup']:.2f}x (MAT "
+                              f"{r['mean_accepted_tokens']:.2f})" for r in out["oracle"])
         cal.log(f"[{cal.name}] an oracle drafting each token at the shallowest right exit, at "
                 f"these round costs: predicted {out['ceiling_over_best_single']:.3f}x the "
                 f"fastest single exit (exit {b['exits'][0]}, gamma {b['gamma']}, predicted "
-                f"{b['predicted_speedup']:.2f}x AR)")
+                f"{b['predicted_speedup']:.2f}x AR, MAT {b['mean_accepted_tokens']:.2f}); "
+                f"the oracle vs AR at {per_gamma}")
 
 
 def candidates(cal: Calibration) -> dict:
