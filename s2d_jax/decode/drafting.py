@@ -66,13 +66,20 @@ def calm_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarr
     lp = model.layer_slice(params, start, end) if layers is None else layers
     dt = h.dtype
     x = model.rms_norm(h, lp["attn_norm"][:, None, None, :], cfg.rms_norm_eps)  # [L, B, T, D]
-    k = jnp.einsum("LBTD,LDKH->BTLKH", x, lp["wk"].astype(dt))
-    v = jnp.einsum("LBTD,LDKH->LBTKH", x, lp["wv"].astype(dt))
-    B, T, L, K, H = k.shape
+    L, B, T, D = x.shape
+    _, _, K, H = lp["wk"].shape
+    # One batched [B*T, D] x [D, K*H] matmul per layer with the weights in their stored
+    # layout: an einsum whose output puts L after B, T made XLA:CPU transpose both weight
+    # stacks on every draft step (~1 ms of a 4 ms step for 6 skipped layers, measured).
+    x = x.reshape(L, B * T, D)
+    k = jnp.einsum("LND,LDM->LNM", x, lp["wk"].reshape(L, D, K * H).astype(dt))
+    v = jnp.einsum("LND,LDM->LNM", x, lp["wv"].reshape(L, D, K * H).astype(dt))
+    k = k.reshape(L, B, T, K, H).transpose(1, 2, 0, 3, 4)
     cos, sin = cos_sin(cfg, positions)
     k = apply_rope(k.reshape(B, T, L * K, H), cos, sin).reshape(B, T, L, K, H)
     held = positions < cache.lengths[:, None]
-    return jnp.moveaxis(k, 2, 0), v, jnp.where(held, cache.max_len, positions)
+    return jnp.moveaxis(k, 2, 0), v.reshape(L, B, T, K, H), \
+        jnp.where(held, cache.max_len, positions)
 
 
 def fill_skipped_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarray,
