@@ -99,8 +99,8 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
     the others never send the batch deeper: a finished row, a free slot of the slot
     engine): it returns the new keys/values of layers
     [0, exits[-1]) instead, (k, v [exits[-1], B, T, K, H], positions [exits[-1], B, T]),
-    and the cache to write them into (`write_layers(cache, 0, ...)`: the same buffers,
-    ordered after every read, `kvcache.ordered_after`). Why: every `lax.cond` here (and the caller's) then
+    and the cache to write them into (`write_layers(cache, 0, ...)`; the keys/values are
+    computed after every read of it, `kvcache.ordered_after`). Why: every `lax.cond` here (and the caller's) then
     carries only what its branch changes; a cache updated inside a branch is copied whole
     on entry to it (measured in the compiled HLO, tests/test_loop_copies.py)."""
     m = len(exits)
@@ -144,9 +144,10 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
         decided = decided | (need & keep)
 
     q = probs_from_logits(logits, sp)
-    kv = tuple(jnp.concatenate(x, axis=0) for x in (ks, vs, ps))
-    # the cache to write kv into: ordered after the last read of it (the final h)
-    return sample(key, q, sp.greedy), q, exit_idx, conf, kv, ordered_after(cache, h)
+    # written after the last read of the cache (the final h depends on every read)
+    k, v = ordered_after(h, *(jnp.concatenate(x, axis=0) for x in (ks, vs)))
+    kv = (k, v, jnp.concatenate(ps, axis=0))
+    return sample(key, q, sp.greedy), q, exit_idx, conf, kv, cache
 
 
 def draft_token(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.ndarray,

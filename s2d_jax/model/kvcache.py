@@ -126,18 +126,16 @@ def write_layers(cache: KVCache, start: int, k: jnp.ndarray, v: jnp.ndarray,
                          v=cache.v.at[li, bi, ki, pos].set(vt.astype(cache.v.dtype), mode="drop"))
 
 
-def ordered_after(cache: KVCache, x: jnp.ndarray) -> KVCache:
-    """The same cache as a value XLA can only compute after x: a no-op write of one slot
-    whose value depends on x's first element (it would zero that slot only if that element
-    were NaN, i.e. row 0 already garbage). Why: a write of new K/V after reads of the cache
-    that x depends on (a layer's attention) must not be scheduled before them, or XLA copies
-    the whole cache to keep the version the read needs; an optimization_barrier did not
-    survive XLA:CPU's passes as an ordering."""
-    bad = jnp.isnan(x.reshape(-1)[0])
-
-    def touch(buf):
-        at = (0,) * buf.ndim
-        one = jax.lax.dynamic_slice(buf, at, (1,) * buf.ndim)
-        return jax.lax.dynamic_update_slice(buf, jnp.where(bad, jnp.zeros_like(one), one), at)
-
-    return cache.replace(k=touch(cache.k), v=touch(cache.v))
+def ordered_after(x: jnp.ndarray, *writes: jnp.ndarray) -> tuple[jnp.ndarray, ...]:
+    """The new keys/values `writes` as values XLA can only compute after x (each plus a
+    zero it cannot fold: min(isnan(x's first element), 0)). Why: a write of new K/V after
+    reads of the cache that x depends on (a layer's attention) must not be scheduled
+    before them, or XLA copies the whole cache to keep the version the read needs; an
+    optimization_barrier did not survive XLA:CPU's passes as an ordering. The dependence
+    rides on the written values, not on the cache: a no-op write of one cache slot (the
+    previous way) made XLA:CPU rewrite the whole cache every draft step, its read of the
+    slot inside the update's fusion keeping it from updating in place (0.5 ms for an
+    8-layer 1280-slot cache, 2.4 ms for 30 layers, measured)."""
+    zero = jnp.minimum(jnp.isnan(x.reshape(-1)[0]).astype(jnp.float32), 0.0)
+    return tuple(w + zero.astype(w.dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+                 for w in writes)
