@@ -89,6 +89,11 @@ def parse_args(argv):
               help="with no checkpoint in --work: start from these committed draft weights "
               "(e.g. models/smollm2-draft) rather than the target's first layers; the "
               "optimizer moments, step count and data position are lost")
+    ap.add_argument("--frozen-layers", type=int, default=0, metavar="N",
+                    help="keep the first N layers of --init-from, the final norm and so its "
+                    "exits at depth <= N exactly as they are, and train only the deeper layers "
+                    "(a deeper exit added to a trained draft; the frozen layers' backward pass "
+                    "is skipped); the head vocabulary is then --init-from's (default: 0, off)")
     add(ap, "--train-minutes", CMD)
     add_output(ap, "--progress", kind=DRAFT_PACK, overwrite=True, default=None, metavar="DIR",
                help="this run's committed progress: written (every trained exit, int8, "
@@ -116,9 +121,12 @@ def check_args(ap, args):
                  f"{args.train_minutes}")
     if args.lr < 0:
         ap.error(f"--lr must be > 0 (0 = the config's), got {args.lr}")
-    for name in ("distill_batches", "steps", "head_vocab", "corpus_shards"):
+    for name in ("distill_batches", "steps", "head_vocab", "corpus_shards", "frozen_layers"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    args.init_head = None
+    if args.frozen_layers:
+        check_frozen_layers(ap, args)
     from s2d_jax.io.outputs import HF_DIR, Output, check_outputs
     check_outputs([Output("--work", args.work, DIR, owner=args.s2d_prog),
                    Output("--out", args.out, DRAFT_PACK, args.overwrite),
@@ -127,6 +135,34 @@ def check_args(ap, args):
                   {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
                    "calibration prompts": CALIBRATION_PROMPTS, "config": TRAIN_CONFIG})
     return args
+
+
+def check_frozen_layers(ap, args) -> None:
+    """--frozen-layers keeps trained layers: they come from --init-from, below the deepest
+    exit; the head vocabulary those exits were trained with goes into args.init_head."""
+    n = args.frozen_layers
+    if not args.init_from:
+        ap.error(f"--frozen-layers {n} keeps trained layers; give the draft they come from "
+                 f"with --init-from (e.g. models/smollm2-draft8)")
+    if n >= args.exits[-1]:
+        ap.error(f"--frozen-layers {n} freezes every exit of --train-exits "
+                 f"{args.train_exits}; freeze fewer layers than the deepest exit")
+    depth, head = committed_draft(args.init_from)
+    if n > depth:
+        ap.error(f"--frozen-layers {n} is deeper than --init-from {args.init_from} "
+                 f"({depth} layers); freeze at most {depth}")
+    args.init_head = head if head is not None else []
+
+
+def committed_draft(path: str) -> tuple[int, list | None]:
+    """(layer count, head vocabulary or None for the full head) of a committed draft."""
+    from s2d_jax.io import draft_pack
+    from s2d_jax.io.checkpoint import checkpoint_kind, load_model
+    if checkpoint_kind(path) == "draft-pack":
+        cfg, extra, _ = draft_pack.read_pack_config(path)
+    else:
+        cfg, _, extra = load_model(path, dtype="float32")
+    return cfg.num_layers, (extra or {}).get("s2d_head_vocab")
 
 
 def draft_hf_dir(args) -> str:
@@ -170,7 +206,16 @@ def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
             f"checkpoint.dir={os.path.abspath(os.path.join(args.work, 'ckpt'))}",
             f"metrics_path={os.path.join(args.work, 'metrics.jsonl')}",
             f"export_dir={draft_hf_dir(args)}", "export_overwrite=true"]
-    if args.head_vocab:
+    if args.init_head is not None:  # frozen exits keep the head they were trained with
+        if args.init_head:
+            head = os.path.join(args.work, "head_vocab.json")
+            with open(head, "w") as f:
+                json.dump(args.init_head, f)
+            over.append(f"draft.head_vocab={head}")
+        head = f"{len(args.init_head)} tokens" if args.init_head else "the full vocabulary"
+        log(f"[soft] layers 1-{args.frozen_layers} and the final norm frozen as "
+            f"{args.init_from} has them, with its head ({head})")
+    elif args.head_vocab:
         from s2d_jax.config import read_hf_config
         vocab = read_hf_config(os.path.join(args.target, "config.json")).vocab_size
         head = os.path.join(args.work, "head_vocab.json")
@@ -190,6 +235,8 @@ def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
     if args.init_from:
         over.append(f"model.init_from={args.init_from}")
+    if args.frozen_layers:
+        over.append(f"optimizer.frozen_layers={args.frozen_layers}")
     if args.progress:
         over.append(f"model.continue_from={os.path.abspath(args.progress)}")
     if args.train_minutes:

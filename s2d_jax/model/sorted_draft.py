@@ -85,16 +85,29 @@ def stored_exits(extra: dict | None, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 def multi_exit_hidden(params: dict, cfg: ModelConfig, exits: tuple[int, ...], tokens,
-                      positions=None, segment_ids=None, remat: str = "none") -> list:
-    """Hidden states [B, T, D] at every exit, from one pass over the layer stack."""
+                      positions=None, segment_ids=None, remat: str = "none",
+                      frozen_layers: int = 0) -> list:
+    """Hidden states [B, T, D] at every exit, from one pass over the layer stack.
+
+    `frozen_layers` N: layers [0, N) run on their weights behind stop_gradient and the
+    state at depth N is a constant, so the backward pass starts at layer N (training a
+    deeper exit onto frozen shallower ones costs their forward only)."""
     validate_exits(exits, cfg.num_layers)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     h = model.embed_tokens(params, cfg, tokens)
     hidden, start = [], 0
-    for end in exits:  # a few static segments, not a loop over layers: each is one scan
-        h, _ = model.run_layers(params, cfg, h, positions, start, end, None, segment_ids, remat)
-        hidden.append(h)
+    # a few static segments, not a loop over layers: each is one scan
+    for end in sorted(set(exits) | ({frozen_layers} if 0 < frozen_layers < exits[-1] else set())):
+        layers = None
+        if end <= frozen_layers:
+            layers = jax.lax.stop_gradient(model.layer_slice(params, start, end))
+        h, _ = model.run_layers(params, cfg, h, positions, start, end, None, segment_ids, remat,
+                                layers=layers)
+        if end == frozen_layers:
+            h = jax.lax.stop_gradient(h)
+        if end in exits:
+            hidden.append(h)
         start = end
     return hidden
 
@@ -156,7 +169,7 @@ _exit_sums_remat = jax.checkpoint(_exit_sums, static_argnums=(1,))
 
 
 def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none",
-              head_ids=None):
+              head_ids=None, frozen_layers: int = 0):
     """Per-exit (CE sums [E], correct counts [E], distillation CE sums [E]) over the masked
     tokens of `batch`.
 
@@ -165,15 +178,28 @@ def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "
     final-normed states, s2d_jax/data/teacher.py: distillation on its whole distribution).
     Sums (not means) so micro-batches add up exactly.
     `head_ids` [V']: score a sub-vocabulary head (tokens outside it leave the hard CE).
+    `frozen_layers` N: the exits at depth <= N are measured as constants (no backward pass
+    through them); the caller keeps the final norm and head frozen with them.
     """
     hidden = multi_exit_hidden(params, cfg, exits, batch["inputs"], batch.get("positions"),
-                               batch.get("segment_ids"), remat)
+                               batch.get("segment_ids"), remat, frozen_layers)
     mask = batch["loss_mask"].astype(jnp.float32)
     teacher = batch.get("teacher_hidden")
+
     # A scan over the exits (not a Python loop): the LM head is gathered and its gradient
     # accumulated once per iteration instead of being materialised once per exit.
-    return jax.lax.map(lambda h: _exit_sums_remat(params, cfg, h, batch["targets"], mask,
-                                                  head_ids, teacher), jnp.stack(hidden))
+    def sums(fn, hs):
+        return jax.lax.map(lambda h: fn(params, cfg, h, batch["targets"], mask, head_ids,
+                                        teacher), jnp.stack(hs))
+
+    n_frozen = sum(e <= frozen_layers for e in exits)
+    if not n_frozen:
+        return sums(_exit_sums_remat, hidden)
+    fixed = jax.lax.stop_gradient(sums(_exit_sums, hidden[:n_frozen]))
+    if n_frozen == len(exits):
+        return fixed
+    trained = sums(_exit_sums_remat, hidden[n_frozen:])
+    return tuple(jnp.concatenate([a, b]) for a, b in zip(fixed, trained))
 
 
 def loss_tokens(batch: dict):
@@ -182,17 +208,20 @@ def loss_tokens(batch: dict):
 
 
 def soft_objective(params: dict, cfg: ModelConfig, exits, batch: dict, weights, total_tokens,
-                   remat: str = "none", head_ids=None, kd_weight: float = 0.0):
+                   remat: str = "none", head_ids=None, kd_weight: float = 0.0,
+                   frozen_layers: int = 0):
     """THE SoFT objective (training and evaluation both use it): the `weights`-weighted mean
     over exits of each exit's (1 - kd_weight) hard CE + kd_weight distillation CE, summed
     over the masked tokens of `batch` and divided by `total_tokens`.
 
     `total_tokens` is the token count of the whole global batch, so the losses of the
-    micro-batches of an accumulated step add up to the whole batch's loss. Returns
-    (loss, (CE sums [E], correct counts [E], distillation CE sums [E])): see soft_sums.
+    micro-batches of an accumulated step add up to the whole batch's loss. With
+    `frozen_layers` N the mean is over the exits deeper than N (the others train nothing).
+    Returns (loss, (CE sums [E], correct counts [E], distillation CE sums [E])): see soft_sums.
     """
-    w = jnp.asarray(weights, jnp.float32)
-    ce, correct, kd = soft_sums(params, cfg, exits, batch, remat, head_ids)
+    w = jnp.asarray([wi if e > frozen_layers else 0.0 for e, wi in zip(exits, weights)],
+                    jnp.float32)
+    ce, correct, kd = soft_sums(params, cfg, exits, batch, remat, head_ids, frozen_layers)
     per_exit = (1.0 - kd_weight) * ce + kd_weight * kd
     loss = jnp.sum(w * per_exit) / total_tokens / jnp.sum(w)
     return loss, (ce, correct, kd)

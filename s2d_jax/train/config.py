@@ -56,6 +56,11 @@ class OptimizerConfig:
     # Param paths kept at their initial values, e.g. [embed]: a draft sharing its target's
     # tied embedding stores only its own layers and norm.
     frozen: tuple[str, ...] = ()
+    # The first N layers of the stack kept at their initial values, with the final norm,
+    # so the exits at depth <= N stay exactly as initialised (a deeper exit added to a
+    # trained draft, model.init_from); those exits leave the loss and the frozen layers'
+    # backward pass is not computed (sorted_draft.soft_sums). 0 = off.
+    frozen_layers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +124,8 @@ def _check_optimizer_ranges(o: OptimizerConfig) -> None:
                            ("eps", o.eps > 0, "> 0"),
                            ("weight_decay", o.weight_decay >= 0, ">= 0"),
                            ("clip_norm", o.clip_norm >= 0, ">= 0 (0 = no clipping)"),
-                           ("end_lr_ratio", 0 <= o.end_lr_ratio <= 1, "in [0, 1]")):
+                           ("end_lr_ratio", 0 <= o.end_lr_ratio <= 1, "in [0, 1]"),
+                           ("frozen_layers", o.frozen_layers >= 0, ">= 0 (0 = off)")):
         if not ok:
             raise S2DError(f"optimizer.{name} must be {want}, got {getattr(o, name)}")
 

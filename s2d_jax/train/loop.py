@@ -33,7 +33,7 @@ from s2d_jax.train.data import batch_fingerprint, make_train_iterator
 from s2d_jax.train.finite import FiniteWatch
 from s2d_jax.train.hooks import MetricsLog, ProgressBar, close_all, crash_after
 from s2d_jax.parallel.mesh import make_mesh
-from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding,
+from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding, frozen_paths,
                                 global_batch, make_init_fn, make_optimizer, make_train_step,
                                 state_shardings)
 
@@ -82,7 +82,8 @@ def build_step(cfg: ModelConfig, exits, weights, opt: OptimizerConfig, total_ste
     tx, schedule = make_optimizer(opt, total_steps)
     shardings = state_shardings(cfg, mesh, tx)
     step_fn = make_train_step(cfg, exits, weights, tx, schedule, mesh, shardings,
-                              opt.grad_accum_steps, remat, opt.frozen, head_ids, kd_weight)
+                              opt.grad_accum_steps, remat, frozen_paths(opt), head_ids, kd_weight,
+                              opt.frozen_layers)
     return tx, shardings, make_init_fn(tx, shardings), step_fn
 
 
@@ -102,6 +103,14 @@ def initial_params(cfg: ModelConfig, source, mesh, seed: int) -> dict:
     _, params, _ = load_model(source, num_layers=cfg.num_layers, dtype=cfg.param_dtype,
                               shardings=model.param_shardings(cfg, mesh))
     return params
+
+
+def check_frozen_layers(tc: TrainConfig, exits) -> None:
+    """Frozen layers must leave an exit to train."""
+    n = tc.optimizer.frozen_layers
+    if n >= exits[-1]:
+        raise S2DError(f"optimizer.frozen_layers={n} freezes every exit of {list(exits)}; "
+                       f"freeze fewer layers than the deepest exit ({exits[-1]})")
 
 
 def check_batch(tc: TrainConfig) -> None:
@@ -188,6 +197,7 @@ def prepare(tc: TrainConfig, devices=None) -> PreparedRun:
     tokenizer vocabulary) and build the step; touches no checkpoint or output."""
     maybe_initialize_distributed()
     cfg, exits, source = resolve_draft(tc)
+    check_frozen_layers(tc, exits)
     weights = tc.draft.resolved_weights(len(exits))
     mesh = make_mesh(tc.mesh, devices)
     check_divisible(cfg, tc.mesh, "model")

@@ -96,13 +96,35 @@ def make_optimizer(o: OptimizerConfig, total_steps: int):
     if o.warmup_steps:
         parts.append(moment_ramp(o.warmup_steps))
     tx = optax.chain(*parts)
-    if o.frozen:
+    frozen = frozen_paths(o)
+    if frozen:
         # Frozen params get zero updates (their gradients are already zero through
         # stop_frozen_gradients; this also cancels weight decay). A stateless mask keeps
         # the optimizer state shaped like the params, so its shardings follow them.
         tx = optax.chain(tx, optax.masked(optax.set_to_zero(),
-                                          lambda params: frozen_mask(params, o.frozen)))
+                                          lambda params: frozen_mask(params, frozen)))
+    if o.frozen_layers:
+        tx = optax.chain(tx, zero_layer_rows(o.frozen_layers))
     return tx, schedule
+
+
+def frozen_paths(o: OptimizerConfig) -> tuple[str, ...]:
+    """The param paths kept at their initial values: `optimizer.frozen`, and with frozen
+    layers the final norm every exit shares (else the frozen exits would move)."""
+    extra = ("final_norm",) if o.frozen_layers and "final_norm" not in o.frozen else ()
+    return tuple(o.frozen) + extra
+
+
+def zero_layer_rows(n: int) -> optax.GradientTransformation:
+    """Zero updates for the first `n` rows of every stacked layer param (the frozen
+    layers: their gradients are zero already; this also cancels weight decay there)."""
+    def update(updates, state, params=None):
+        del params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, u: u.at[:n].set(0) if _is_frozen(path, ("layers",)) else u,
+            updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def _is_frozen(path, frozen) -> bool:
@@ -197,11 +219,13 @@ def accumulate_gradients(grad_fn, params, batch: dict, total_tokens, steps: int,
 def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[float, ...], tx,
                     schedule, mesh: Mesh, shardings: TrainState, grad_accum_steps: int = 1,
                     remat: str = "none", frozen: tuple[str, ...] = (),
-                    head_ids: tuple[int, ...] | None = None, kd_weight: float = 0.0):
+                    head_ids: tuple[int, ...] | None = None, kd_weight: float = 0.0,
+                    frozen_layers: int = 0):
     """The jitted step: (state, batch of global [B, T] arrays) -> (state, metrics); its loss
     is sorted_draft.soft_objective.
 
     `frozen`: param paths whose gradients are not computed (see make_optimizer);
+    `frozen_layers` N: the first N layers too, and the exits at depth <= N leave the loss;
     `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums); `kd_weight`: the
     share of distillation on the target's distribution (batches then carry TEACHER_KEY)."""
     micro_sharding = NamedSharding(mesh, partition_spec((None, "batch", "seq")))
@@ -210,7 +234,7 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
     def loss_fn(params, micro, total_tokens):
         return soft_objective(stop_frozen_gradients(params, frozen), cfg, exits, micro, weights,
                               total_tokens, remat, None if head is None else jnp.asarray(head),
-                              kd_weight)
+                              kd_weight, frozen_layers)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
