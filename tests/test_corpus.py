@@ -167,6 +167,38 @@ def test_warm_start_takes_the_committed_layers_and_says_what_is_lost():
     assert "lost: the optimizer moments" in said[0]
 
 
+def test_identity_deeper_layers_start_the_new_exit_at_the_committed_deepest():
+    """init_deeper="identity": the added layers' residual outputs are zero, so the draft's
+    deepest exit predicts exactly what the committed draft's deepest exit does; the
+    target's own added layers change it."""
+    import jax.numpy as jnp
+
+    from s2d_jax.io.checkpoint import load_model
+    from s2d_jax.model.sorted_draft import multi_exit_logits
+    from s2d_jax.train.warm_start import warm_start
+    _, committed, _ = load_model(DEMO_DRAFT, dtype="float32")
+    cfg, target, _ = load_model(DEMO_TARGET, dtype="float32")
+    n = committed["layers"]["wq"].shape[0]
+    said = []
+    got = warm_start(target, cfg, DEMO_DRAFT, log=said.append, deeper="identity")
+    for name in ("wo", "w_down"):
+        assert float(jnp.abs(got["layers"][name][n:]).max()) == 0.0
+    np.testing.assert_array_equal(got["layers"]["wq"][n:], target["layers"]["wq"][n:])
+    assert "with wo and w_down zeroed (each the identity)" in said[0]
+    toks = jnp.asarray([[1, 5, 9, 14, 3, 7]])
+    shallow, deep = multi_exit_logits(got, cfg, (n, cfg.num_layers), toks)
+    np.testing.assert_allclose(deep, shallow, rtol=1e-5, atol=1e-5)
+    plain = warm_start(target, cfg, DEMO_DRAFT, log=said.append)
+    _, deep_target = multi_exit_logits(plain, cfg, (n, cfg.num_layers), toks)
+    assert float(jnp.abs(deep_target - shallow).max()) > 1e-2
+
+
+def test_a_bad_init_deeper_is_refused(tmp_path):
+    from s2d_jax.train.config import load_train_config
+    with pytest.raises(S2DError, match="model.init_deeper='copy' is not one of target, identity"):
+        load_train_config(None, [f"model.path={DEMO_TARGET}", "model.init_deeper=copy"])
+
+
 @pytest.mark.slow  # two short SoFT runs (~70 s on the loaded 2-core CPU)
 def test_training_reads_the_corpus_records_its_slice_and_warm_starts(tmp_path, capsys):
     from s2d_jax.io.checkpoint import load_model

@@ -139,25 +139,28 @@ def test_lr_is_the_plans_peak_and_a_bad_one_is_one_error_line(tmp_path, monkeypa
 def test_frozen_layers_plan_and_bad_values_are_one_error_line(tmp_path, monkeypatch, capsys):
     """--frozen-layers N trains only the layers past --init-from's first N, with the head
     the frozen exits were trained with; it needs --init-from, an exit past it and no more
-    layers than --init-from has."""
+    layers than --init-from has. --init-deeper too needs --init-from."""
     from s2d_jax.train import loop
     base = ["--target", TARGET, "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "w")]
     for extra, want in ((["--frozen-layers", "1"], "--init-from"),
                         (["--frozen-layers", "-1", "--init-from", DRAFT], "must be >= 0"),
                         (["--frozen-layers", "8", "--init-from", DRAFT], "freezes every exit"),
                         (["--frozen-layers", "4", "--init-from", DRAFT, "--train-exits", "1,5"],
-                         "deeper than --init-from")):
+                         "deeper than --init-from"),
+                        (["--init-deeper", "identity"], "--init-from")):
         err = cli_error(smollm2_draft.main, capsys, base + extra)
-        assert want in err and "--frozen-layers" in err, err
+        assert want in err and extra[0] in err, err
     plans = []
     monkeypatch.setattr(loop, "train", lambda tc: plans.append(tc) or {"history": []})
     rows = tmp_path / "rows.jsonl"
     rows.write_text("")
     args = smollm2_draft.parse_args(base + ["--frozen-layers", "2", "--init-from", DRAFT,
-                                            "--train-exits", "1,2,4"])
+                                            "--train-exits", "1,2,4", "--init-deeper",
+                                            "identity"])
     smollm2_draft.soft(args, str(rows), log=print)
     tc = plans[-1]
     assert tc.optimizer.frozen_layers == 2 and tc.model.init_from == DRAFT
+    assert tc.model.init_deeper == "identity"
     # the demo draft scores the full vocabulary: no sub-vocabulary head is made for it
     assert tc.draft.head_vocab == ""
     assert "layers 1-2 and the final norm frozen" in capsys.readouterr().out

@@ -94,6 +94,11 @@ def parse_args(argv):
                     "exits at depth <= N exactly as they are, and train only the deeper layers "
                     "(a deeper exit added to a trained draft; the frozen layers' backward pass "
                     "is skipped); the head vocabulary is then --init-from's (default: 0, off)")
+    ap.add_argument("--init-deeper", choices=("target", "identity"), default="target",
+                    help="the layers a deeper draft adds below --init-from's: the target's "
+                    "own (target), or the target's with their residual outputs zeroed, so each "
+                    "starts as the identity and the new deepest exit as --init-from's deepest "
+                    "(identity: LLaMA Pro's block expansion)")
     add(ap, "--train-minutes", CMD)
     add_output(ap, "--progress", kind=DRAFT_PACK, overwrite=True, default=None, metavar="DIR",
                help="this run's committed progress: written (every trained exit, int8, "
@@ -124,6 +129,9 @@ def check_args(ap, args):
     for name in ("distill_batches", "steps", "head_vocab", "corpus_shards", "frozen_layers"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.init_deeper != "target" and not args.init_from:
+        ap.error(f"--init-deeper {args.init_deeper} sets the layers added below --init-from's; "
+                 f"give --init-from (e.g. models/smollm2-draft8)")
     args.init_head = None
     if args.frozen_layers:
         check_frozen_layers(ap, args)
@@ -235,6 +243,8 @@ def soft(args, rows: str | None, log, teacher: str | None = None) -> str:
         over += [f"data.teacher={teacher}", f"draft.kd_weight={args.kd_weight}"]
     if args.init_from:
         over.append(f"model.init_from={args.init_from}")
+    if args.init_deeper != "target":
+        over.append(f"model.init_deeper={args.init_deeper}")
     if args.frozen_layers:
         over.append(f"optimizer.frozen_layers={args.frozen_layers}")
     if args.progress:

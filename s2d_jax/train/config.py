@@ -15,6 +15,9 @@ from s2d_jax.model.sorted_draft import DraftConfig
 from s2d_jax.train.data import DataConfig
 
 
+INIT_DEEPER = ("target", "identity")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Where the draft comes from.
@@ -31,6 +34,11 @@ class ModelSection:
     # such as models/smollm2-draft, or an HF draft dir) rather than the target's first
     # layers; what they do not hold is lost (s2d_jax/train/warm_start.py). "" = off.
     init_from: str = ""
+    # The layers a deeper draft adds below init_from's: "target" (the target's own) or
+    # "identity" (the target's, with their residual outputs wo and w_down zeroed: each
+    # starts as the identity, so the new deepest exit starts equal to init_from's deepest,
+    # the block expansion of LLaMA Pro, arXiv 2401.02415).
+    init_deeper: str = "target"
     # This same run's committed progress (a draft pack written when a run stopped at its
     # time budget, with the recipe of its plan and step): with no checkpoint to resume, the
     # run continues at that step with its data position; only the optimizer moments are
@@ -112,6 +120,9 @@ class TrainConfig:
                            f"{self.stop_after_minutes}")
         if self.checkpoint.dir and (self.checkpoint.save_every < 1 or self.checkpoint.keep_last < 1):
             raise S2DError("checkpoint.save_every and checkpoint.keep_last must be >= 1")
+        if self.model.init_deeper not in INIT_DEEPER:
+            raise S2DError(f"model.init_deeper={self.model.init_deeper!r} is not one of "
+                           f"{', '.join(INIT_DEEPER)}")
         if not self.model.path:
             raise S2DError("model.path is empty; set it to a model YAML or an HF/orbax dir")
         if self.mesh.data < 1 or self.mesh.fsdp < 1 or self.mesh.tensor < 1:

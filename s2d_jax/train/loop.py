@@ -245,7 +245,7 @@ def restore_or_init(run: PreparedRun, manager, plan: dict | None = None):
                 f"{model_tc.continue_from}", step, lost=continuation.LOST))
     if model_tc.init_from:  # the checkpoint is gone: the last committed draft
         from s2d_jax.train.warm_start import warm_start
-        params = warm_start(params, run.cfg, model_tc.init_from)
+        params = warm_start(params, run.cfg, model_tc.init_from, deeper=model_tc.init_deeper)
         return run.init_fn(params), 0, [continuation.leg(f"warm start from {model_tc.init_from}",
                                                          0)]
     return run.init_fn(params), 0, [continuation.leg(f"initialised from {model_tc.path}", 0)]

@@ -44,11 +44,17 @@ def _same_shape(a: ModelConfig, b: ModelConfig) -> bool:
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
+# A layer's writes to the residual stream: zeroed, the layer is the identity.
+RESIDUAL_OUTPUTS = ("wo", "w_down")
+
+
 def warm_start(params: dict, cfg: ModelConfig, path: str, log=print, lost: str = LOST,
-               why: str = "") -> dict:
+               why: str = "", deeper: str = "target") -> dict:
     """`params` (the draft initialised from its target) with its first layers and final
     norm replaced by the committed draft's at `path`; the deeper layers a deeper draft
-    adds keep the target's weights. Logs what is kept and what is `lost`."""
+    adds keep the target's weights, with `deeper="identity"` their residual outputs
+    zeroed (each added layer starts as the identity, the deepest exit as the committed
+    draft's deepest). Logs what is kept and what is `lost`."""
     saved_cfg, own, how = committed_weights(path)
     if not _same_shape(saved_cfg, cfg):
         diff = next(k for k, v in dataclasses.asdict(saved_cfg).items()
@@ -60,7 +66,9 @@ def warm_start(params: dict, cfg: ModelConfig, path: str, log=print, lost: str =
     layers = {}
     for name, w in params["layers"].items():
         new = np.asarray(own["layers"][name][:n], np.float32)
-        merged = jnp.concatenate([jnp.asarray(new, w.dtype), w[n:]]) if n < w.shape[0] \
+        added = jnp.zeros_like(w[n:]) if deeper == "identity" and name in RESIDUAL_OUTPUTS \
+            else w[n:]
+        merged = jnp.concatenate([jnp.asarray(new, w.dtype), added]) if n < w.shape[0] \
             else jnp.asarray(new, w.dtype)
         layers[name] = jax.device_put(merged, w.sharding)
     norm = params["final_norm"]
@@ -69,6 +77,8 @@ def warm_start(params: dict, cfg: ModelConfig, path: str, log=print, lost: str =
                                         norm.sharding)}
     log(f"[warm start] no checkpoint to resume: layers 1-{n} and the final norm from the "
         f"committed draft {path} ({how}{', ' + why if why else ''})"
-        + (f", layers {n + 1}-{cfg.num_layers} from the target" if n < cfg.num_layers else "")
+        + (f", layers {n + 1}-{cfg.num_layers} from the target"
+           + (" with wo and w_down zeroed (each the identity)" if deeper == "identity" else "")
+           if n < cfg.num_layers else "")
         + f"; lost: {lost}")
     return out
