@@ -75,6 +75,28 @@ def test_memory_and_storage_sizes(tied):
         quantize_weight(jnp.ones((6, 4)), 1, 4, 4)
 
 
+def split_forward(params, cfg, tokens):
+    """The logits of layers [0, 1) then [1, L), each range its own program (an exit's path)."""
+    h = model.embed_tokens(params, cfg, tokens)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    h1, _ = model.run_layers(params, cfg, h, pos, 0, 1)
+    h2, _ = model.run_layers(params, cfg, h1, pos, 1, cfg.num_layers)
+    return np.asarray(model.lm_logits(params, cfg, h2))
+
+
+def assert_equal_but_for_rounding_flips(split, whole):
+    """w8a8 rounds every activation to int8, a step function: the split and the whole
+    forward are different XLA programs whose float32 states differ in the last bit (1e-7
+    here; which elements depends on fusion and the CPU's vector paths), and where such a
+    bit falls on a rounding boundary one int8 activation moves by one step. That happened
+    on an Intel Xeon at seed 2 and here at 5 of 40 seeds: at most 0.42% of max |logit|,
+    <= 6% of logits moved by > 1e-4. A wrong slice moves ~100% of them by ~80%."""
+    err = np.abs(split - whole)
+    scale = np.abs(whole).max()
+    assert err.max() <= 0.02 * scale, (err.max(), scale)
+    assert (err > 1e-4).mean() <= 0.25, (err > 1e-4).mean()
+
+
 # untied is slow (CI time); the tied case runs the same path in the fast set
 @pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_quantized_params_run_through_the_model(tied):
@@ -96,11 +118,11 @@ def test_quantized_params_run_through_the_model(tied):
         assert rel < {"int8": 0.04, "int4": 0.4, "w8a8": 0.08}[mode], (mode, rel)
         assert rel > 0  # the quantized model really is a different model
         # A layer range of a quantized stack is a slice too (sorted-draft exits).
-        h = model.embed_tokens(qp, cfg, tokens)
-        pos = jnp.broadcast_to(jnp.arange(24), tokens.shape)
-        h1, _ = model.run_layers(qp, cfg, h, pos, 0, 1)
-        h2, _ = model.run_layers(qp, cfg, h1, pos, 1, 3)
-        np.testing.assert_allclose(np.asarray(model.lm_logits(qp, cfg, h2)), out, atol=1e-4)
+        split = split_forward(qp, cfg, tokens)
+        if mode != "w8a8":
+            np.testing.assert_allclose(split, out, atol=1e-4)
+        else:
+            assert_equal_but_for_rounding_flips(split, out)
     print(f"greedy agreement vs full precision (tied={tied}): {agreement}")
     assert agreement["int8"] >= 0.95 and agreement["int4"] >= 0.6, agreement
     assert agreement["w8a8"] >= 0.9, agreement
@@ -130,3 +152,22 @@ def test_w8a8_matmul_is_an_int8_product_within_its_rounding(name, n_in_axes, sha
     assert np.abs(y - ref).max() > 1e-5 and (y[0, 0] == 0).all()
     jaxpr = str(jax.make_jaxpr(qw.matmul)(jnp.asarray(x)))
     assert "preferred_element_type=int32" in jaxpr and "i8[" in jaxpr
+
+
+@pytest.mark.parametrize("seed", [5, 25])
+def test_w8a8_layer_range_holds_where_last_bits_flip_a_rounding(seed):
+    """Seeds where, on this AMD CPU too, the split and whole w8a8 forwards round one
+    activation differently (the Intel failure at seed 2): exact equality fails, the
+    rounding-flip bound holds, and a wrong slice (layers [0, 2) after layer 0) is caught."""
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True)
+    qp = quantize_params(numpy_params(cfg, seed=seed), "w8a8", group=32)
+    tokens = jnp.asarray(np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (8, 24)),
+                         jnp.int32)
+    whole = np.asarray(jax.jit(lambda p, t: model.forward(p, cfg, t)[0])(qp, tokens))
+    assert_equal_but_for_rounding_flips(split_forward(qp, cfg, tokens), whole)
+    h = model.embed_tokens(qp, cfg, tokens)
+    pos = jnp.broadcast_to(jnp.arange(24), tokens.shape)
+    h1, _ = model.run_layers(qp, cfg, h, pos, 0, 1)
+    wrong, _ = model.run_layers(qp, cfg, h1, pos, 0, 2)
+    with pytest.raises(AssertionError):
+        assert_equal_but_for_rounding_flips(np.asarray(model.lm_logits(qp, cfg, wrong)), whole)
