@@ -88,7 +88,7 @@ def test_changed_byte_missing_file_and_totals_are_clear_errors(tmp_path):
         corpus.verify(str(tmp_path / "e"))
     del m["shards"][0]["sha256"]
     path.write_text(json.dumps(m))
-    with pytest.raises(S2DError, match="manifest.json is not an s2d-corpus/1 manifest"):
+    with pytest.raises(S2DError, match=r"manifest.json: shards\[0\].sha256 is missing"):
         corpus.read_rows(str(tmp_path / "e"))
     with pytest.raises(S2DError, match="not a corpus"):
         corpus.verify(str(tmp_path / "nothing"))
@@ -339,6 +339,24 @@ def test_a_new_run_leaves_out_the_prompts_of_earlier_runs(tiny, tmp_path, capsys
     assert corpus.read_prompts(str(c), "r1") == ["Name a river."]
     pool = corpus.read_manifest(str(c))["runs"]["r1"]["prompt_source"]["pool"]
     assert pool["in_earlier_runs"] == 5 and pool["kept"] == 6
+
+
+def test_a_run_of_another_target_is_refused_before_its_prompt_stages_run(tiny, tmp_path,
+                                                                           capsys):
+    """The corpus's target is compared once the target is read, before a new run's Magpie
+    and prompt stages write into --work (issue 68)."""
+    from test_cli_fuzz import snapshot
+    from tiny_models import cli_error
+    from train import corpus_generate
+    make_corpus(tmp_path / "c")  # TARGET: another fingerprint than the tiny target's
+    before = snapshot(tmp_path)
+    err = cli_error(corpus_generate.main, capsys, [
+        "--target", str(tiny / "target"), "--name", "tiny", "--corpus", str(tmp_path / "c"),
+        "--work", str(tmp_path / "w"), "--run", "r1", "--prompts",
+        str(tiny / "prompts.jsonl"), "--heldout",
+        os.path.join(ROOT, "data", "demo_calibration.jsonl")])
+    assert "this run's target differs; use another corpus folder" in err
+    assert snapshot(tmp_path) == before  # no --work, no prompts, nothing planned
 
 
 SMOLLM2 = smollm2_dir()

@@ -127,3 +127,98 @@ def test_training_resumes_only_with_the_settings_it_was_made_with(tmp_path, over
         train(synthetic_config(tmp_path, *base, override), devices=jax.devices()[:1],
               progress=False)
     assert snapshot(tmp_path / "ckpt") == before
+
+
+# --- train/corpus_generate.py: a corpus run's plan (issue 68) -------------------------
+
+class ModelLoaded(Exception):
+    """Raised by the stubbed model loader: the command got past its checks."""
+
+
+@pytest.fixture
+def corpus_cli(tmp_path, monkeypatch):
+    """A corpus holding run r0 planned by `argv` (its prompts written); the model loader
+    and the target's fingerprint stubbed, so a command that gets past its checks stops
+    with ModelLoaded before any answer is generated."""
+    import s2d_jax.io.checkpoint as checkpoint
+    from s2d_jax.data import corpus
+    from train import corpus_generate
+
+    def load_model(*a, **kw):
+        raise ModelLoaded
+    monkeypatch.setattr(checkpoint, "load_model", load_model)
+    monkeypatch.setattr(engine, "target_fingerprint", lambda target: FP)
+    (tmp_path / "target").mkdir()
+    for name in ("p1.jsonl", "p2.jsonl", "held.jsonl", "held2.jsonl"):
+        (tmp_path / name).write_text('{"question": "Name a prime."}\n')
+    argv = ["--target", str(tmp_path / "target"), "--corpus", str(tmp_path / "c"),
+            "--work", str(tmp_path / "w"), "--run", "r0", "--prompts",
+            str(tmp_path / "p1.jsonl"), "--heldout", str(tmp_path / "held.jsonl"),
+            "--batch-size", "2", "--max-new-tokens", "5", "--magpie", "4", "--seed", "0"]
+    counts = {"magpie_turns_kept": 3, "pool": {"read": 4, "kept": 4}, "chosen": 4}
+    plan = corpus_generate.run_plan(corpus_generate.parse_args(argv), counts)
+    corpus.start_run(str(tmp_path / "c"), corpus_generate.target_record(
+        corpus_generate.parse_args(argv), FP, 64), "r0", plan, ["a", "b", "c", "d"])
+    return argv
+
+
+def _with(argv, flag, value):
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+def test_a_corpus_run_resumes_with_its_own_arguments(corpus_cli):
+    from train import corpus_generate
+    with pytest.raises(ModelLoaded):  # the same command gets past the plan's checks
+        corpus_generate.main(corpus_cli)
+
+
+RUN_CHANGES = [("--prompts", "p2.jsonl"), ("--heldout", "held2.jsonl"), ("--magpie", "8"),
+               ("--magpie-batch-size", "3"), ("--answers", "2"), ("--seed", "1"),
+               ("--batch-size", "4"), ("--max-new-tokens", "7")]
+
+
+@pytest.mark.parametrize("flag,value", RUN_CHANGES, ids=[c[0] for c in RUN_CHANGES])
+def test_a_corpus_run_resumed_with_another_argument_is_refused(corpus_cli, tmp_path, capsys,
+                                                               flag, value):
+    """Every argument that changes the run's rows is compared with the stored plan, the
+    prompt source's included, before the model loads and before anything is written."""
+    from tiny_models import cli_error
+    from train import corpus_generate
+    value = str(tmp_path / value) if value.endswith(".jsonl") else value
+    before = snapshot(tmp_path)
+    err = cli_error(corpus_generate.main, capsys, _with(corpus_cli, flag, value))
+    planned, _, now = err.partition("(this command: ")
+    assert f"run r0 of {tmp_path / 'c'} was planned with " in planned, err
+    assert f" {flag} " in planned and f"{flag} {value}" in now, err
+    assert "--run" in err and "resume" in err  # the fix: its arguments, or a new run
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("run", ["../up", "a b", "", "r0/x", "r-1"])
+def test_a_bad_corpus_run_name_is_refused_before_any_work(tmp_path, capsys, monkeypatch,
+                                                          run):
+    import s2d_jax.io.checkpoint as checkpoint
+    from tiny_models import cli_error
+    from train import corpus_generate
+
+    def load_model(*a, **kw):
+        raise ModelLoaded
+
+    def fingerprint(target):
+        raise ModelLoaded
+    monkeypatch.setattr(checkpoint, "load_model", load_model)
+    monkeypatch.setattr(engine, "target_fingerprint", fingerprint)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "p.jsonl").write_text('{"question": "Name a prime."}\n')
+    before = snapshot(tmp_path)
+    err = cli_error(corpus_generate.main, capsys, [
+        "--target", str(tmp_path / "target"), "--corpus", str(tmp_path / "c"),
+        "--work", str(tmp_path / "w"), "--run", run, "--prompts", str(tmp_path / "p.jsonl"),
+        "--heldout", str(tmp_path / "p.jsonl")])
+    assert f"--run {run!r}" in err and "letters, digits and _" in err, err
+    assert snapshot(tmp_path) == before  # no corpus, no --work, nothing written

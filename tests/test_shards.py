@@ -120,3 +120,60 @@ def test_a_shards_arrays_are_recorded_verified_and_listed(tmp_path):
     log = []
     run(tmp_path, with_arrays, log)  # only shard 2 is recomputed
     assert "3 of 4 shards complete; running 1" in log[0] and files(tmp_path) == before
+
+
+# --- a manifest or shard that is not what the stage wrote (issue 68) -------------------
+
+def _record(out, change):
+    path = out / shards.MANIFEST
+    m = json.loads(path.read_text())
+    change(m["done"]["1"])
+    path.write_text(json.dumps(m))
+
+
+def _outside_array(how):
+    """Shard 1's array record names a byte-identical copy outside the stage folder."""
+    def damage(out, outside):
+        import shutil
+        shutil.copy(out / shards.array_name(1, "states"), outside / "x.npy")
+        name = {"absolute": str(outside / "x.npy"), "dot-dot": "../outside/x.npy"}.get(how)
+        if name:
+            _record(out, lambda r: r["arrays"]["states"].__setitem__("file", name))
+        else:  # a symlink in the stage folder leading out
+            os.unlink(out / shards.array_name(1, "states"))
+            os.symlink(outside / "x.npy", out / shards.array_name(1, "states"))
+    return damage
+
+
+@pytest.mark.parametrize("how", ["absolute", "dot-dot", "symlink"])
+def test_a_record_naming_a_file_outside_the_stage_is_never_opened(tmp_path, monkeypatch, how):
+    import builtins
+    out, outside = tmp_path / "s", tmp_path / "outside"
+    outside.mkdir()
+    run(out, with_arrays)
+    _outside_array(how)(out, outside)
+    seen, real_open = [], builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **kw: (
+        seen.append(os.path.realpath(f)), real_open(f, *a, **kw))[1])
+    with pytest.raises(S2DError, match="not a complete stage"):
+        shards.array_paths(str(out), "states")
+    log = []
+    run(out, with_arrays, log)  # the record is not trusted: shard 1 is recomputed
+    assert "3 of 4 shards complete; running 1" in log[0]
+    assert not any(p.startswith(str(outside)) for p in seen), seen
+    assert os.path.realpath(shards.array_paths(str(out), "states")[1]) == \
+        str(out / shards.array_name(1, "states"))
+
+
+@pytest.mark.parametrize("data,says", [
+    (b"not json\n", "line 1 is not valid JSON"), (b"[1, 2]\n", "line 1 is not a JSON object"),
+    (b'{"a": 1}\n\xff\xfe\n', "is not UTF-8 text")], ids=["not-json", "not-object", "bytes"])
+def test_a_malformed_shard_with_its_checksum_is_one_error_line(tmp_path, data, says):
+    import hashlib
+    run(tmp_path)
+    (tmp_path / shards.shard_name(1)).write_bytes(data)
+    _record(tmp_path, lambda r: r.__setitem__("sha256", hashlib.sha256(data).hexdigest()))
+    for read in (shards.read_rows, lambda d: list(shards.prefix_rows(d))):
+        with pytest.raises(S2DError, match=f"shard-00001.jsonl {says}.*rerun") as e:
+            read(str(tmp_path))
+        assert "\n" not in str(e.value)

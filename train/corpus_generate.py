@@ -22,8 +22,10 @@ import os
 import subprocess
 import time
 
-from s2d_jax.cli.args import ArgumentParser, add_output, check_at_least, comma_paths
+from s2d_jax.cli.args import (ArgumentParser, add_output, check_at_least, comma_paths,
+                              input_arg)
 from s2d_jax.cli.flags import add
+from s2d_jax.data.shard_checks import check_run_name
 from s2d_jax.errors import S2DError, cli_main
 from s2d_jax.io.outputs import CACHE, DIR
 
@@ -54,6 +56,7 @@ def parse_args(argv):
                     help="with --commit: one commit per this many completed shards (and one "
                          "for the rest at the end, or when the run stops on an error)")
     args = ap.parse_args(argv)
+    check_run_name(args.run)  # it names files: refused before anything is read or written
     args.prompts = comma_paths(args.prompts)
     check_at_least(args, {"magpie": 0, "magpie_batch_size": 0, "answers": 0, "batch_size": 1, "max_new_tokens": 1,
                           "seed": 0, "max_shards": 0, "slots": 0,
@@ -122,6 +125,63 @@ def run_plan(args, prompt_counts: dict) -> dict:
                               "filter": "deduplicated; no 8-gram of Spec-Bench, GSM8K test, "
                               "the calibration prompts or the held-out set",
                               **prompt_counts}}
+
+
+# The arguments a run's rows depend on, where its plan keeps them: a resume is compared on
+# each (the prompt source's too: a resume reads its prompts from the corpus, so other
+# values would otherwise be recorded nowhere and silently ignored).
+PLAN_FLAGS = (("--batch-size", ("batch_size",)), ("--max-new-tokens", ("max_new_tokens",)),
+              ("--seed", ("seed",)), ("--prompts", ("prompt_source", "files")),
+              ("--magpie", ("prompt_source", "magpie_turns_asked")),
+              ("--magpie-batch-size", ("prompt_source", "magpie_batch_size")),
+              ("--answers", ("prompt_source", "answers")),
+              ("--heldout", ("prompt_source", "heldout")))
+PATH_FLAGS = ("--prompts", "--heldout")
+# what the prompt stages counted when the run was planned: kept from the stored plan
+COUNT_KEYS = ("magpie_turns_kept", "pool", "chosen")
+
+
+def _at(plan: dict, keys: tuple):
+    for key in keys:
+        plan = plan.get(key) if isinstance(plan, dict) else None
+    return plan
+
+
+def _same_path(a, b) -> bool:
+    """The same file however it was written (a shipped file's relative name, absolute)."""
+    return a == b or (isinstance(a, str) and isinstance(b, str) and
+                      os.path.realpath(input_arg(a)) == os.path.realpath(input_arg(b)))
+
+
+def _shown(flag: str, value) -> str:
+    return f"{flag} {','.join(value) if isinstance(value, list) else value}"[:120]
+
+
+def resumed_plan(args, stored: dict) -> dict:
+    """This command's plan for run args.run, planned before as `stored`; a resume with
+    another value of any argument that changes the rows is refused, naming each."""
+    source = stored.get("prompt_source")
+    source = source if isinstance(source, dict) else {}
+    mine = run_plan(args, {k: source[k] for k in COUNT_KEYS if k in source})
+    differ = []
+    for flag, keys in PLAN_FLAGS:
+        was, now = _at(stored, keys), _at(mine, keys)
+        if flag in PATH_FLAGS:
+            same = (len(was) == len(now) and all(map(_same_path, was, now))
+                    if isinstance(was, list) and isinstance(now, list) else _same_path(was, now))
+            if same:  # as the plan wrote them: the same files
+                mine[keys[0]][keys[1]] = was
+        else:
+            same = was == now
+        if not same:
+            differ.append((flag, was, now))
+    if differ:
+        raise S2DError(
+            f"run {args.run} of {args.corpus} was planned with "
+            f"{', '.join(_shown(f, was) for f, was, _ in differ)} (this command: "
+            f"{', '.join(_shown(f, now) for f, _, now in differ)}); rerun with the run's own "
+            f"arguments to resume it, or name a new run (--run)")
+    return mine
 
 
 def new_run_prompts(args, fp: str, decoder, tok, log, earlier: set[str] = frozenset()
@@ -221,18 +281,21 @@ def generate(args, log) -> dict:
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import load_tokenizer
 
+    # a resume is checked against its stored plan before the model loads
+    path = os.path.join(args.corpus, corpus.MANIFEST)
+    manifest = corpus.read_manifest(args.corpus) if os.path.isfile(path) else None
+    resumed = manifest is not None and args.run in manifest["runs"]
+    if resumed:
+        mine = resumed_plan(args, manifest["runs"][args.run])
+        prompts = corpus.read_prompts(args.corpus, args.run)  # resumes from the repo alone
     fp = engine.target_fingerprint(args.target)
     cfg, params, _ = load_model(args.target, dtype="float32")
     tok = load_tokenizer(args.target)
     decoder = Decoder(cfg, params, method="ar", name="target")
     target = target_record(args, fp, cfg.vocab_size)
-    path = os.path.join(args.corpus, corpus.MANIFEST)
-    manifest = corpus.read_manifest(args.corpus) if os.path.isfile(path) else None
-    if manifest is not None and args.run in manifest["runs"]:
-        prompts = corpus.read_prompts(args.corpus, args.run)  # resumes from the repo alone
-        plan = {k: v for k, v in manifest["runs"][args.run].items() if k != "prompts"}
-        mine = run_plan(args, plan["prompt_source"])
-        mine["prompt_source"] = plan["prompt_source"]  # counts come from the stored run
+    if manifest is not None:  # before a new run's prompt stages write into --work
+        corpus.check_target(args.corpus, manifest, target)
+    if resumed:
         log(f"[corpus] resuming run {args.run}: {len(prompts)} prompts from the corpus")
     else:
         earlier = {p for run in (manifest or {}).get("runs", {})

@@ -20,7 +20,9 @@ engine settings, shard size): shard K answers prompts [K * size, (K + 1) * size)
 every temperature, seed + K; a rerun of the run writes only the shards the manifest lacks,
 and a rerun with another plan under the same run name is refused. Teacher distributions
 are never stored: a recipe that needs them recomputes them from the ids
-(s2d_jax/data/teacher.py).
+(s2d_jax/data/teacher.py). Nothing the corpus holds is trusted (s2d_jax/data/shard_checks.py):
+the manifest's values are checked as flags are, the files it names must be in the corpus
+folder, and every shard read has its arrays checked, each problem one error line.
 """
 
 from __future__ import annotations
@@ -34,26 +36,15 @@ import zipfile
 
 import numpy as np
 
+from s2d_jax.data.shard_checks import (ARRAYS, FORMAT, check_arrays, check_manifest,
+                                       check_run_name, ids_dtype, inside, load_shard,
+                                       prompts_file, shard_file)
 from s2d_jax.errors import S2DError
 from s2d_jax.io.atomic import write_atomic
 from s2d_jax.readers import read_json, sha256_of
 
-FORMAT = "s2d-corpus/1"
 MANIFEST = "manifest.json"
-ARRAYS = ("ids", "lengths", "learn_from", "temperature", "prompt")
 _ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: shard bytes depend only on rows
-
-
-def shard_file(run: str, k: int) -> str:
-    return f"{run}-{k:05d}.npz"
-
-
-def prompts_file(run: str) -> str:
-    return f"{run}.prompts.jsonl.xz"
-
-
-def ids_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 1 << 16 else np.int32
 
 
 def shard_bytes(rows: list[dict], vocab_size: int) -> bytes:
@@ -107,23 +98,8 @@ def read_manifest(corpus: str) -> dict:
     if not os.path.isfile(path):
         raise S2DError(f"{corpus} is not a corpus (no {MANIFEST}); give the corpus folder, "
                        f"e.g. data/smollm2_corpus")
-    m = read_json(path, "corpus manifest")
-    record_keys = {"file": str, "sha256": str, "run": str, "index": int, "rows": int,
-                   "prompt_tokens": int, "answer_tokens": int, "bytes": int}
-    if not (isinstance(m, dict) and m.get("format") == FORMAT
-            and isinstance(m.get("shards"), list) and isinstance(m.get("runs"), dict)
-            and isinstance(m.get("target"), dict)
-            and isinstance(m["target"].get("vocab_size"), int)
-            and all(isinstance(r, dict) and all(isinstance(r.get(k), t)
-                                                for k, t in record_keys.items())
-                    for r in m["shards"])
-            and all(isinstance(p, dict) and isinstance(p.get("prompts"), dict)
-                    and isinstance(p["prompts"].get("file"), str)
-                    and isinstance(p["prompts"].get("sha256"), str)
-                    for p in m["runs"].values())):
-        raise S2DError(f"{path} is not an {FORMAT} manifest; restore it from git "
-                       f"(git checkout -- {path})")
-    return m
+    # every value checked before any is used: the manifest names the files to open
+    return check_manifest(read_json(path, "corpus manifest"), path)
 
 
 def write_manifest(corpus: str, manifest: dict) -> None:
@@ -132,18 +108,22 @@ def write_manifest(corpus: str, manifest: dict) -> None:
     write_atomic(os.path.join(corpus, MANIFEST), json.dumps(manifest, indent=1) + "\n")
 
 
-def start_run(corpus: str, target: dict, run: str, plan: dict, prompts: list[str]) -> dict:
-    """The manifest with run `run` planned (its prompts written once); -> the manifest.
-    A run already there with another plan or target is refused."""
-    if not run or not run.replace("_", "").isalnum():
-        raise S2DError(f"run name {run!r} must be letters, digits and _; e.g. --run magpie0")
-    os.makedirs(corpus, exist_ok=True)
-    exists = os.path.isfile(os.path.join(corpus, MANIFEST))
-    manifest = read_manifest(corpus) if exists else new_manifest(target)
+def check_target(corpus: str, manifest: dict, target: dict) -> None:
+    """A corpus holds one target's answers: another target's run is refused."""
     if manifest["target"] != target:
         raise S2DError(f"{corpus} holds answers of target {manifest['target'].get('name')} "
                        f"(fingerprint {str(manifest['target'].get('fingerprint'))[:12]}), "
                        f"this run's target differs; use another corpus folder")
+
+
+def start_run(corpus: str, target: dict, run: str, plan: dict, prompts: list[str]) -> dict:
+    """The manifest with run `run` planned (its prompts written once); -> the manifest.
+    A run already there with another plan or target is refused."""
+    check_run_name(run)
+    os.makedirs(corpus, exist_ok=True)
+    exists = os.path.isfile(os.path.join(corpus, MANIFEST))
+    manifest = read_manifest(corpus) if exists else new_manifest(target)
+    check_target(corpus, manifest, target)
     data = prompts_bytes(prompts)
     plan = {**plan, "prompts": {"file": prompts_file(run), "count": len(prompts),
                                 "sha256": hashlib.sha256(data).hexdigest()}}
@@ -185,8 +165,9 @@ def done_shards(manifest: dict, run: str) -> set[int]:
 # --- reading ---------------------------------------------------------------------------
 
 def verify_file(corpus: str, record: dict) -> str:
-    """The path of a manifest record's file, after checking its sha256 (one-line error)."""
-    path = os.path.join(corpus, record["file"])
+    """The path of a manifest record's file, after checking its sha256 (one-line error);
+    a symlink leading out of the corpus folder is refused before it is opened."""
+    path = inside(corpus, record["file"])
     if not os.path.isfile(path):
         raise S2DError(f"corpus file {path} is missing; restore it with git checkout -- "
                        f"{path} (or git lfs pull)")
@@ -197,12 +178,14 @@ def verify_file(corpus: str, record: dict) -> str:
 
 
 def verify(corpus: str) -> dict:
-    """Check every file of the corpus against the manifest, and the totals; -> manifest."""
+    """Check every file of the corpus against the manifest (checksums, every shard's
+    arrays, every run's prompts), and the totals; -> manifest."""
     manifest = read_manifest(corpus)
-    for plan in manifest["runs"].values():
-        verify_file(corpus, plan["prompts"])
+    for run in manifest["runs"]:
+        _prompts(corpus, manifest, run)
+    vocab = manifest["target"]["vocab_size"]
     for record in manifest["shards"]:
-        verify_file(corpus, record)
+        shard_arrays(corpus, record, vocab, _prompt_count(manifest, record))
     if manifest.get("totals") != totals(manifest["shards"]):
         raise S2DError(f"{os.path.join(corpus, MANIFEST)}: its totals disagree with its "
                        f"shards; restore it from git")
@@ -218,18 +201,26 @@ def select(manifest: dict, shards: int = 0) -> list[dict]:
     return records[:shards or len(records)]
 
 
-def shard_rows(corpus: str, record: dict, vocab_size: int) -> list[dict]:
-    """The token rows {"input_ids", "learn_from", "temperature", "prompt"} of one shard,
-    its checksum and shape checked."""
+def _prompt_count(manifest: dict, record: dict) -> int:
+    return manifest["runs"][record["run"]]["prompts"]["count"]
+
+
+def shard_arrays(corpus: str, record: dict, vocab_size: int,
+                 prompts: int | None = None) -> dict:
+    """One shard's arrays {name: ndarray}, its checksum and contents checked (one-line
+    error naming the shard and the problem: shard_checks.check_arrays)."""
     path = verify_file(corpus, record)
-    with np.load(path) as z:
-        a = {name: z[name] for name in ARRAYS}
+    arrays = load_shard(path)
+    check_arrays(path, arrays, record, vocab_size, prompts)
+    return arrays
+
+
+def shard_rows(corpus: str, record: dict, vocab_size: int,
+               prompts: int | None = None) -> list[dict]:
+    """The token rows {"input_ids", "learn_from", "temperature", "prompt"} of one shard,
+    its checksum and contents checked."""
+    a = shard_arrays(corpus, record, vocab_size, prompts)
     ends = np.cumsum(a["lengths"], dtype=np.int64)
-    if (len(ends) != record["rows"] or (ends[-1] if len(ends) else 0) != len(a["ids"])
-            or np.any(a["learn_from"] < 0) or np.any(a["learn_from"] > a["lengths"])
-            or (len(a["ids"]) and int(a["ids"].max()) >= vocab_size)):
-        raise S2DError(f"corpus shard {path} is malformed (its arrays disagree); restore it "
-                       f"with git checkout -- {path}")
     starts = ends - a["lengths"]
     return [{"input_ids": a["ids"][s:e].astype(np.int64).tolist(),
              "learn_from": int(lf), "temperature": float(t), "prompt": int(p)}
@@ -243,19 +234,35 @@ def read_rows(corpus: str, shards: int = 0) -> tuple[list[dict], list[dict]]:
     manifest = read_manifest(corpus)
     records = select(manifest, shards)
     vocab = manifest["target"]["vocab_size"]
-    return [r for rec in records for r in shard_rows(corpus, rec, vocab)], records
+    return [r for rec in records
+            for r in shard_rows(corpus, rec, vocab, _prompt_count(manifest, rec))], records
 
 
 def read_prompts(corpus: str, run: str) -> list[str]:
     manifest = read_manifest(corpus)
     if run not in manifest["runs"]:
         raise S2DError(f"{corpus} has no run {run}; its runs: {', '.join(manifest['runs'])}")
-    path = verify_file(corpus, manifest["runs"][run]["prompts"])
-    with open(path, "rb") as f:
-        text = lzma.decompress(f.read()).decode()
-    # "\n" only: json escapes it inside a prompt, but not U+2028 and the other separators
-    # str.splitlines would also cut at
-    return [json.loads(line) for line in text.split("\n") if line]
+    return _prompts(corpus, manifest, run)
+
+
+def _prompts(corpus: str, manifest: dict, run: str) -> list[str]:
+    """Run `run`'s prompts, its file's checksum and contents checked (one-line error)."""
+    record = manifest["runs"][run]["prompts"]
+    path = verify_file(corpus, record)
+    try:
+        with open(path, "rb") as f:
+            text = lzma.decompress(f.read()).decode()
+        # "\n" only: json escapes it inside a prompt, but not U+2028 and the other
+        # separators str.splitlines would also cut at
+        prompts = [json.loads(line) for line in text.split("\n") if line]
+    except (lzma.LZMAError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise S2DError(f"corpus file {path} is not a readable prompts file ("
+                       f"{type(e).__name__}); restore it with git checkout -- {path}") from None
+    if not all(isinstance(p, str) for p in prompts) or len(prompts) != record["count"]:
+        raise S2DError(f"corpus file {path} does not hold the {record['count']} prompts "
+                       f"(JSON strings) its manifest records; restore it with git checkout "
+                       f"-- {path}")
+    return prompts
 
 
 def data_slice(corpus: str, records: list[dict]) -> dict:

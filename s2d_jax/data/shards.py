@@ -98,19 +98,57 @@ def _read_manifest(out_dir: str, plan: dict) -> dict:
     return manifest
 
 
+def _inside(out_dir: str, name: str) -> bool:
+    """Whether file `name` of a stage is in its folder, a symlink leading out excluded:
+    a record is never trusted to name another file to read."""
+    path = os.path.realpath(os.path.join(out_dir, name))
+    return os.path.dirname(path) == os.path.realpath(out_dir) and os.path.isfile(path)
+
+
 def _verified(out_dir: str, k: str, record) -> bool:
-    """Whether shard k's record is well formed and its file holds the bytes recorded."""
+    """Whether shard k's record is well formed, names the files the stage writes (in its
+    folder, checked before any is opened) and they hold the bytes recorded."""
     if not (isinstance(record, dict) and k.isdigit() and record.get("file") == shard_name(int(k))
-            and isinstance(record.get("sha256"), str)):
+            and isinstance(record.get("sha256"), str)
+            and all(isinstance(record.get(n), int) and not isinstance(record.get(n), bool)
+                    for n in ("rows", "tokens"))):
         return False
     arrays = record.get("arrays") or {}
-    if not isinstance(arrays, dict):
+    if not (isinstance(arrays, dict) and all(
+            isinstance(f, dict) and f.get("file") == array_name(int(k), name)
+            for name, f in arrays.items())):
         return False
     files = [record, *arrays.values()]
-    return all(isinstance(f, dict) and isinstance(f.get("file"), str)
-               and os.path.isfile(os.path.join(out_dir, f["file"]))
+    return all(_inside(out_dir, f["file"])
                and sha256_of(os.path.join(out_dir, f["file"])) == f.get("sha256")
                for f in files)
+
+
+def _shard_rows(out_dir: str, k: int) -> list[dict]:
+    """The rows of verified shard k (one-line error when its bytes, though recorded, are
+    not JSON-lines objects: a record written by hand, or for other bytes)."""
+    path = os.path.join(out_dir, shard_name(k))
+    with open(path, "rb") as f:
+        data = f.read()
+    fix = "delete it and rerun the stage to recompute it"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise S2DError(f"stage shard {path} is not UTF-8 text (offset {e.start}); "
+                       f"{fix}") from None
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise S2DError(f"stage shard {path} line {n} is not valid JSON ({e.msg}); "
+                           f"{fix}") from None
+        if not isinstance(row, dict):
+            raise S2DError(f"stage shard {path} line {n} is not a JSON object; {fix}")
+        rows.append(row)
+    return rows
 
 
 def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int, work,
@@ -152,11 +190,7 @@ def run_stage(out_dir: str, what: str, target: str, items: list, shard_size: int
 def read_rows(out_dir: str) -> list[dict]:
     """Every row of a complete stage, in shard order."""
     shards = _complete(out_dir)["plan"]["shards"]
-    rows = []
-    for k in range(shards):
-        with open(os.path.join(out_dir, shard_name(k)), encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
-    return rows
+    return [row for k in range(shards) for row in _shard_rows(out_dir, k)]
 
 
 def array_paths(out_dir: str, name: str) -> list[str]:
@@ -188,6 +222,5 @@ def prefix_rows(out_dir: str):
     done = manifest.get("done") if isinstance(manifest, dict) else None
     k = 0
     while isinstance(done, dict) and _verified(out_dir, str(k), done.get(str(k))):
-        with open(os.path.join(out_dir, shard_name(k)), encoding="utf-8") as f:
-            yield from (json.loads(line) for line in f if line.strip())
+        yield from _shard_rows(out_dir, k)
         k += 1
