@@ -20,7 +20,6 @@ benchmark's data/demo_questions.jsonl.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from s2d_jax.cli.args import ArgumentParser, add_output, finite_number, target_paths
 from s2d_jax.cli.flags import add
@@ -101,9 +100,9 @@ def options(args, gammas, stops) -> CalibrateOptions:
 def _check_outputs(args, target: str) -> None:
     """--report, and the serving config this writes into the target dir (its one output
     inside an input, by design), may overwrite no other input."""
-    from s2d_jax.decode.serving_config import serving_config_path
+    from s2d_jax.decode.serving_config import check_writable
     from s2d_jax.io.outputs import Output, check_outputs
-    serving = None if args.dry_run else serving_config_path(target)
+    serving = None if args.dry_run else check_writable(target)
     check_outputs([Output("--report", args.report), Output("the serving config", serving)],
                   {"--draft": args.draft, "--questions": args.questions})
     check_outputs([Output("--report", args.report)], {"--target": target})
@@ -114,9 +113,8 @@ def main(argv=None):
     args = parse_args(argv)
     from s2d_jax.cli.args import parse_targets
     (name, path), = parse_targets([args.target]).items()
-    for what, p in (("target", path), ("draft", args.draft)):
-        if not os.path.exists(p):  # a model dir or a .gguf file
-            raise S2DError(f"{what} dir {p} does not exist")
+    from s2d_jax.cli.args import check_models_exist
+    check_models_exist([("--target", path), ("--draft", args.draft)])
     gammas, stops = _validate(args)
     _check_outputs(args, path)
 

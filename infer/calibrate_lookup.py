@@ -16,7 +16,6 @@ and --method lookup / ladder of infer.generate then use it.
 from __future__ import annotations
 
 import json
-import os
 
 from s2d_jax.cli.args import ArgumentParser, target_paths
 from s2d_jax.cli.flags import add
@@ -43,20 +42,21 @@ def main(argv=None):
     args = parse_args(argv)
     from s2d_jax.cli.args import parse_ints, parse_targets
     (name, path), = parse_targets([args.target]).items()
-    for what, p in (("target", path), ("draft", args.draft)):
-        if not os.path.exists(p):
-            raise S2DError(f"{what} dir {p} does not exist")
+    from s2d_jax.cli.args import check_models_exist
+    check_models_exist([("--target", path), ("--draft", args.draft)])
     gammas = sorted(set(parse_ints(args.gammas, "--gammas", minimum=1)))
     if min(args.max_prompts, args.top, args.repeats, args.cost_samples) < 1 \
             or args.max_new_tokens < 2:
         raise S2DError("--max-prompts, --top, --repeats and --cost-samples must be >= 1, "
                        "--max-new-tokens >= 2")
-    from s2d_jax.decode.serving_config import (load_serving_config, serving_config_path,
-                                               write_serving_config)
+    from s2d_jax.decode.serving_config import (check_writable, load_serving_config,
+                                               serving_config_path, write_serving_config)
     served = load_serving_config(path)
     if served is None:
         raise S2DError(f"{serving_config_path(path)} does not exist; run python -m "
                        f"infer.calibrate first (the lookup's sections sit beside S2D's setting)")
+    if not args.dry_run:  # before the minutes of measuring, not after them
+        check_writable(path)
 
     from s2d_jax.calibration.calibration import CalibrateOptions, Calibration
     from s2d_jax.calibration.lookup_calibration import calibrate_lookup

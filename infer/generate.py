@@ -230,6 +230,8 @@ def main(argv=None):
     check_at_least(args, {"max_new_tokens": 1, "batch_size": 1, "gamma": 1, "exit": 1,
                           "quant_group": 2})
     targets = parse_targets(args.target)
+    from s2d_jax.cli.args import check_models_exist
+    check_models_exist([("--target", t) for t in targets.values()] + [("--draft", args.draft)])
     route = args.route or next(iter(targets))
     reqs = read_requests(args)
     for r in reqs:

@@ -53,6 +53,8 @@ def check_args(args) -> tuple[list[str], list[int]]:
         raise S2DError("a method in --methods needs --draft PATH; pass one or use ar")
     if any(proposer(m).self_draft for m in methods) and args.exit is None:
         raise S2DError("method self needs --exit (how many target layers draft)")
+    from s2d_jax.cli.args import check_models_exist
+    check_models_exist([("--target", args.target), ("--draft", args.draft)])
     clients = parse_ints(args.clients, "--clients", 1)
     for flag in ("max_prompts", "requests_per_client", "max_new_tokens", "slots",
                  "chunk_rounds"):

@@ -62,23 +62,30 @@ class RowStore:
     atomically as its row finishes."""
 
     def __init__(self, path: str):
-        self.dir = path
-        os.makedirs(path, exist_ok=True)
+        self.dir = path  # created by the first add(): a run that compiles nothing writes nothing
         self.index = os.path.join(path, "rows.json")
         self.rows = {}
         if os.path.exists(self.index):
+            from s2d_jax.readers import read_json
             try:
-                with open(self.index) as f:
-                    self.rows = json.load(f)
-            except (OSError, ValueError) as e:
-                raise S2DError(f"--state {path}: cannot read rows.json ({e}); move it away "
-                               f"to start the grid afresh") from None
+                rows = read_json(self.index, "--state rows file")
+            except S2DError as e:
+                raise S2DError(f"{e}; or move it away to start the grid afresh") from None
+            # another file's JSON (a list, a number) read as "no rows" would compile the
+            # whole grid again and then replace it
+            if not isinstance(rows, dict) or not all(
+                    isinstance(r, dict) and r.get("key") == k for k, r in rows.items()):
+                raise S2DError(f"--state rows file {self.index} is not a JSON object of "
+                               f"rows (key -> record with that key); move it away to start "
+                               f"the grid afresh")
+            self.rows = rows
 
     def hlo_path(self, key: str) -> str:
         return os.path.join(self.dir, re.sub(r"[^\w.-]+", "_", key) + ".hlo.gz")
 
     def add(self, rec: dict, hlo: str | None) -> None:
         from s2d_jax.io.atomic import write_atomic
+        os.makedirs(self.dir, exist_ok=True)
         if hlo is not None:
             write_atomic(self.hlo_path(rec["key"]), gzip.compress(hlo.encode(), 6))
         self.rows[rec["key"]] = rec
@@ -124,6 +131,12 @@ def main(argv=None):
     from s2d_jax.parallel import topology  # devices() prepares libtpu where a row compiles
     from s2d_jax.config import load_model_config
     from s2d_jax.decode.tpu_fits import SLICES, compile_record, markdown, row_key
+    missing = [topo for name in targets for chip, topo in SLICES["70b" if "70b" in name
+                                                                  else "small"]
+               if chip in chips and any(row_key(topo, name, m, b, args.context) not in
+                                        store.rows for m in methods for b in batches)]
+    if missing and not args.kept_only:  # the TPU compiler is there before any row compiles
+        topology.prepare(missing[0])
     from s2d_jax.io.atomic import write_atomic
     from s2d_jax.parallel.mesh import MeshConfig
     from s2d_jax.parallel.multihost import build_mesh

@@ -160,12 +160,18 @@ def switch(value, name: str) -> bool:
     return value
 
 
+# The example a list of strings' error shows, by the argument's name: training overrides
+# and a request's stop strings are lists of very different strings.
+STRINGS_EXAMPLES = {"overrides": "['optimizer.lr=1e-4']", "stop": "'\\n\\n' or ['\\n\\n', 'User:']"}
+
+
 def strings_list(value, name: str, allow_empty: bool = True) -> list[str]:
     """A list of strings (a lone string is refused: it is not a list of one)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or \
             isinstance(value, dict):
         raise S2DError(f"{name} must be a list of strings, got {_shown(value)} "
-                       f"({_kind(value)}); pass e.g. ['optimizer.lr=1e-4']")
+                       f"({_kind(value)}); pass e.g. "
+                       f"{STRINGS_EXAMPLES.get(name, repr(['one', 'two']))}")
     items = list(value)
     for i, v in enumerate(items):
         if not isinstance(v, str):

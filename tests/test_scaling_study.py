@@ -209,3 +209,18 @@ def test_a_dir_that_is_not_an_engine_dir_is_refused(tmp, capsys):  # noqa: F811
     out = tmp / "bad"
     err = cli_error(scaling_study.main, capsys, argv(tmp, tmp / "target", out))
     assert "is not a data-engine work dir" in err and not out.exists()
+
+
+def test_a_cut_points_file_is_refused_before_any_point_trains(tmp, bare_engine,  # noqa: F811
+                                                              capsys):
+    """points.jsonl is read again after each point trains (a JSONDecodeError traceback, after
+    the point's training): a cut or hand-edited file is refused up front (issue 68)."""
+    from s2d_jax.cli.args import ArgumentParser
+    from s2d_jax.io.outputs import DIR, MARKER, mark_output
+    out = tmp / "cut-points"
+    out.mkdir()
+    mark_output(str(out), DIR, ArgumentParser(prog="python -m train.scaling_study").prog)
+    (out / "points.jsonl").write_text('{"shape": "2 layers", "kind": "on_pol')
+    err = cli_error(scaling_study.main, capsys, argv(tmp, bare_engine, out))
+    assert "points.jsonl:1 is not valid JSON" in err and "fix or re-create it" in err, err
+    assert sorted(os.listdir(out)) == sorted([MARKER, "points.jsonl"])  # nothing was made

@@ -141,7 +141,9 @@ def test_frozen_layers_plan_and_bad_values_are_one_error_line(tmp_path, monkeypa
     the frozen exits were trained with; it needs --init-from, an exit past it and no more
     layers than --init-from has. --init-deeper too needs --init-from."""
     from s2d_jax.train import loop
-    base = ["--target", TARGET, "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "w")]
+    # target-s: the demo draft's shape (target-l's is wider, so --init-from is refused)
+    small = os.path.join(ROOT, "models", "demo", "target-s")
+    base = ["--target", small, "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "w")]
     for extra, want in ((["--frozen-layers", "1"], "--init-from"),
                         (["--frozen-layers", "-1", "--init-from", DRAFT], "must be >= 0"),
                         (["--frozen-layers", "8", "--init-from", DRAFT], "freezes every exit"),

@@ -169,7 +169,7 @@ def summary(work: str) -> dict:
     for stage in ("magpie", "prompts", "answers", "teacher"):
         path = os.path.join(work, stage, MANIFEST)
         if os.path.isfile(path):
-            with open(path) as f:
+            with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM is no content
                 m = json.load(f)
             out[stage] = {"rows": sum(r["rows"] for r in m["done"].values()),
                           "tokens": sum(r["tokens"] for r in m["done"].values()),

@@ -131,6 +131,13 @@ def check_inputs(args) -> None:
     check_outputs([Output("--out", args.out, DIR, owner=args.s2d_prog)],
                   {"--engine": args.engine, "--target": args.target, "--heldout": args.heldout,
                    "--config": args.config, "--documents": list(args.documents)})
+    # the points of an earlier run are read again after each point trains: a cut or
+    # hand-edited file is refused now, not after the first point's hours of training
+    from s2d_jax.bench.scaling import read_points
+    from s2d_jax.bench.study import read_jsonl
+    points = os.path.join(args.out, "points.jsonl")
+    if read_jsonl(points, "points file"):
+        read_points(points)  # and each row as the report reads it
 
 
 def check_fingerprint(engine: str, target: str) -> None:

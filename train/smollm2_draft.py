@@ -30,6 +30,7 @@ the committed draft pack, calibration.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -112,15 +113,15 @@ def check_args(ap, args):
     """The checks argparse cannot make (ranges, combinations, the outputs against every
     file the pipeline reads); `ap.error` on the first that fails."""
     args.target = os.path.expanduser(args.target)
-    args.exits = parse_ints(args.train_exits, "--train-exits")
+    args.exits = parse_ints(args.train_exits, "--train-exits", minimum=1)
     if not os.path.isdir(args.target):
         ap.error(f"target {args.target} does not exist; fetch it with "
                  f"python -m infer.fetch_smollm2 or pass --target DIR")
     if not 0.0 <= args.kd_weight <= 1.0:
         ap.error(f"--kd-weight must lie in [0, 1], got {args.kd_weight}")
     if args.corpus and args.kd_weight > 0:
-        ap.error("--kd-weight > 0 needs the teacher states of a rows file; with --corpus "
-                 "use --kd-weight 0 (the default)")
+        ap.error("--kd-weight > 0 needs the teacher states of a rows file; with "
+                 "--train-corpus use --kd-weight 0 (the default)")
     if args.train_minutes is not None and args.train_minutes <= 0:
         ap.error(f"--train-minutes must be > 0 (leave it out for no limit), got "
                  f"{args.train_minutes}")
@@ -132,9 +133,18 @@ def check_args(ap, args):
     if args.init_deeper != "target" and not args.init_from:
         ap.error(f"--init-deeper {args.init_deeper} sets the layers added below --init-from's; "
                  f"give --init-from (e.g. models/smollm2-draft8)")
+    target = check_against_target(ap, args)
     args.init_head = None
     if args.frozen_layers:
         check_frozen_layers(ap, args)
+    elif args.head_vocab > target.vocab_size:  # (frozen exits keep --init-from's head)
+        ap.error(f"--head-vocab {args.head_vocab} is more than the target's "
+                 f"{target.vocab_size}-token vocabulary; use at most {target.vocab_size} "
+                 f"(0 = the full vocabulary)")
+    if args.init_from:  # its shape now: SoFT reads it only after distilling into --work
+        from s2d_jax.train.warm_start import check_committed
+        check_committed(args.init_from, dataclasses.replace(target, num_layers=args.exits[-1]),
+                        "--init-from")
     from s2d_jax.io.outputs import HF_DIR, Output, check_outputs
     check_outputs([Output("--work", args.work, DIR, owner=args.s2d_prog),
                    Output("--out", args.out, DRAFT_PACK, args.overwrite),
@@ -143,6 +153,20 @@ def check_args(ap, args):
                   {"--target": args.target, "training prompts": list(PROMPT_QUOTA),
                    "calibration prompts": CALIBRATION_PROMPTS, "config": TRAIN_CONFIG})
     return args
+
+
+def check_against_target(ap, args):
+    """The target's config (no weight read), with --train-exits checked against it: SoFT
+    would find them (and --head-vocab, --init-from) wrong only after the distillation."""
+    from s2d_jax.io.checkpoint import stored_model_config
+    target = stored_model_config(args.target)
+    if any(b <= a for a, b in zip(args.exits, args.exits[1:])):
+        ap.error(f"--train-exits {args.train_exits} must be strictly increasing layer counts, "
+                 f"e.g. 2,4,6,8")
+    if args.exits[-1] > target.num_layers:
+        ap.error(f"--train-exits {args.train_exits} go beyond the {target.num_layers} layers "
+                 f"of the target {args.target}; use exits <= {target.num_layers}")
+    return target
 
 
 def check_frozen_layers(ap, args) -> None:

@@ -260,7 +260,7 @@ def cached_target_answers(path: str, target: str, cfg, params, prompts, max_new_
     key = {"target": target_fingerprint(target), "max_new_tokens": max_new_tokens,
            "eos_id": eos_id, "prompts": [list(map(int, p)) for p in prompts]}
     if os.path.isfile(path):
-        with open(path) as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a BOM is no content
             have = json.load(f)
         if isinstance(have, dict) and {k: have.get(k) for k in key} == key:
             return have["answers"]

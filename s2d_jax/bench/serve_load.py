@@ -102,7 +102,7 @@ def run_methods(start_server, methods, prompts, client_counts, requests_per_clie
             fitting = [p for p in prompts if isinstance(p, str) or len(p) <= room]
             if not fitting:
                 raise S2DError(f"no prompt fits a slot of {server.engine.max_len} tokens with "
-                               f"{max_tokens} new ones; raise --max-len")
+                               f"{max_tokens} new ones; raise --slot-len or lower --max-new-tokens")
             if len(fitting) < len(prompts):
                 progress(f"{len(prompts) - len(fitting)} prompt(s) longer than {room} tokens "
                          f"left out")

@@ -78,11 +78,21 @@ def _write_jsonl(path: str, rows) -> None:
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, what: str = "rows file") -> list[dict]:
+    """The JSON-object rows of `path` ([] when it does not exist yet); a cut or hand-edited
+    line is one S2DError naming the file and line, not a JSONDecodeError traceback."""
+    from s2d_jax.readers import parse_json, read_text
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    for n, line in enumerate(read_text(path, what).splitlines(), 1):
+        if line.strip():
+            row = parse_json(line, path, what, n)
+            if not isinstance(row, dict):
+                raise S2DError(f"{what} {path}:{n} is not a JSON object; fix or delete the "
+                               f"line")
+            rows.append(row)
+    return rows
 
 
 class Sources:
@@ -214,7 +224,7 @@ def record(study: Study, point: StudyPoint, exits: list[dict]) -> None:
         write_atomic(result, json.dumps({"point": point.name, "heldout": study.heldout,
                                          "exits": exits}, indent=1))
     path = os.path.join(study.out, "points.jsonl")
-    have = read_jsonl(path)
+    have = read_jsonl(path, "points file")
     if [r for r in have if r.get("point") == point.name] != rows:  # new, or re-measured
         _write_jsonl(path, [r for r in have if r.get("point") != point.name] + rows)
 

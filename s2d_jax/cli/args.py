@@ -223,6 +223,16 @@ def path_arg(text: str) -> str:
     return expand_path(text)
 
 
+def check_models_exist(models) -> None:
+    """Each (flag, path) of a model flag exists (None: not given): checked before anything
+    loads, so a missing --target is named as itself, not as the tokenizer directory or
+    config that happens to be read from it first."""
+    for flag, path in models:
+        if path is not None and not os.path.exists(path):  # a dir, or a .gguf file
+            raise S2DError(f"{flag} {path} does not exist; pass an HF model dir, a params "
+                           f"checkpoint or a .gguf file")
+
+
 def check_at_least(args, minimums: dict[str, float]) -> None:
     """Refuse `args.<dest>` below its minimum (None = unset, allowed); NaN is refused too."""
     for dest, lo in minimums.items():

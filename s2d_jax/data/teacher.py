@@ -79,7 +79,7 @@ class TeacherStates:
             raise S2DError(f"{path} holds no {META}; write it with "
                            f"s2d_jax.data.teacher.write_teacher_states (python -m "
                            f"train.smollm2_draft does) or unset data.teacher")
-        with open(meta_path) as f:
+        with open(meta_path, encoding="utf-8-sig") as f:  # -sig: a BOM is no content
             self.meta = json.load(f)
         if rows_path is not None and self.meta["rows_sha256"] != sha256_of(rows_path):
             raise S2DError(f"teacher states {path} were computed from another version of "
@@ -161,7 +161,7 @@ def _finish(out_dir: str, tmp: str, meta: dict) -> str:
 def _up_to_date(out_dir: str, sha: str, log) -> bool:
     meta_path = os.path.join(out_dir, META)
     if os.path.isfile(meta_path):
-        with open(meta_path) as f:
+        with open(meta_path, encoding="utf-8-sig") as f:
             if json.load(f).get("rows_sha256") == sha:
                 log(f"[teacher] {out_dir} is up to date")
                 return True

@@ -112,6 +112,9 @@ class Chat:
     def keep(self, text: str, reply: str) -> None:
         """Keep a user turn whose answer was stopped, with the part of it shown (the
         conversation goes on from there, as it reads on the screen)."""
+        from s2d_jax import validate  # checked like say's text: not an AttributeError
+        validate.text(text, "text")
+        validate.text(reply, "reply", nonempty=False)  # nothing shown yet is a reply too
         self.messages += [{"role": "user", "content": text},
                           {"role": "assistant", "content": reply.strip()}]
 

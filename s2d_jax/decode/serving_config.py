@@ -99,6 +99,20 @@ def _is_count(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
+def check_writable(target_dir: str) -> str:
+    """The serving config's path, once it is known that it can be written there: a
+    calibration measures for minutes and writes it last, so a read-only target dir is
+    refused before the first measurement (write_atomic needs to create its temp file
+    beside it)."""
+    path = serving_config_path(target_dir)
+    here = os.path.dirname(os.path.abspath(path))
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise S2DError(f"cannot write the serving config {path}: {here} is not writable; "
+                       f"make it writable or copy the target to a writable dir, or measure "
+                       f"without writing with --dry-run")
+    return path
+
+
 def write_serving_config(target_dir: str, cfg: dict) -> str:
     """Write atomically (a temp file renamed over it): a reader never sees half a config."""
     path = serving_config_path(target_dir)

@@ -56,7 +56,7 @@ def mark_output(out_dir: str, kind: str, command: str = "") -> None:
 
 def _marker(path: str, field: str) -> str | None:
     try:
-        with open(os.path.join(path, MARKER)) as f:
+        with open(os.path.join(path, MARKER), encoding="utf-8-sig") as f:
             value = json.load(f).get(field)
     except (OSError, ValueError, AttributeError):
         return None

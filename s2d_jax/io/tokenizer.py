@@ -151,9 +151,8 @@ def load_tokenizer(path: str) -> Tokenizer:
                 raise S2DError(f"{name} {file} is not a JSON object; fix or re-export it")
         except S2DError as e:
             raise S2DError(f"cannot load the tokenizer in {path!r}: {e}") from None
-    from transformers import AutoTokenizer
     try:
-        hf = AutoTokenizer.from_pretrained(path, local_files_only=True, use_fast=True)
+        hf = _from_pretrained(path)
     except Exception as e:  # transformers raises many types for unreadable files
         raise S2DError(f"cannot load the tokenizer in {path!r}: {type(e).__name__}: "
                        f"{str(e).splitlines()[0] if str(e) else ''}") from e
@@ -170,6 +169,43 @@ def load_tokenizer(path: str) -> Tokenizer:
     bos, eos = hf.bos_token_id, hf.eos_token_id
     pad = hf.pad_token_id if hf.pad_token_id is not None else (eos if eos is not None else 0)
     return Tokenizer(hf=hf, path=path, bos_id=bos, eos_id=eos, pad_id=pad)
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+def _from_pretrained(path: str):
+    """transformers' fast tokenizer of `path`. transformers and tokenizers refuse a JSON
+    file that starts with a UTF-8 byte order mark (some Windows editors write one), which
+    every reader of ours ignores: such a dir is loaded from a temporary view of it, the
+    marks stripped and every other file linked, so the user's files stay as they are."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    def load(d):
+        return AutoTokenizer.from_pretrained(d, local_files_only=True, use_fast=True)
+
+    marked = []
+    for name in os.listdir(path):
+        file = os.path.join(path, name)
+        if name.endswith(".json") and os.path.isfile(file):
+            with open(file, "rb") as f:
+                if f.read(3) == _BOM:
+                    marked.append(name)
+    if not marked:
+        return load(path)
+    with tempfile.TemporaryDirectory(prefix="s2d-tokenizer-") as view:
+        for name in os.listdir(path):
+            file = os.path.join(os.path.abspath(path), name)
+            if name in marked:
+                with open(file, "rb") as src, open(os.path.join(view, name), "wb") as dst:
+                    src.read(3)
+                    shutil.copyfileobj(src, dst)
+            elif os.path.isfile(file):
+                os.symlink(file, os.path.join(view, name))
+        return load(view)
 
 
 def _llama_sentencepiece(sp_file: str):

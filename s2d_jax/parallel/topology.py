@@ -37,9 +37,9 @@ def prepare(name: str = "") -> None:
     """Environment for a deviceless TPU (or `h100:N` GPU) compile; call before anything
     queries devices."""
     if _GPU.match(name):
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-            raise S2DError(f"--topology {name} needs the CUDA plugin: pip install "
-                           f"jax-cuda12-plugin jax-cuda12-pjrt (no GPU is needed to compile)")
+        if not _installed("jax_plugins.xla_cuda12"):
+            raise S2DError(f"--topology {name} needs JAX's CUDA plugin: pip install -e "
+                           f"'.[cuda]' (jax[cuda12]; no GPU is needed to compile)")
         _cpu_backend()
         return
     # libtpu kept out of the environment (.ci/run's S2D_LIBTPU_PATH) is libtpu all the same
@@ -49,10 +49,12 @@ def prepare(name: str = "") -> None:
             raise S2DError(f"S2D_LIBTPU_PATH={kept_apart} is no file; point it at a libtpu.so "
                            f"(pip install --no-deps --target DIR libtpu: DIR/libtpu/libtpu.so)")
         os.environ["TPU_LIBRARY_PATH"] = kept_apart
-    if importlib.util.find_spec("libtpu") is None and not os.environ.get("TPU_LIBRARY_PATH"):
-        raise S2DError("--topology needs the TPU compiler: pip install -e '.[tpu]' "
-                       "(libtpu; no TPU is needed to compile), or S2D_LIBTPU_PATH naming a "
-                       "libtpu.so kept out of the environment")
+    if not _installed("libtpu") and not os.environ.get("TPU_LIBRARY_PATH"):
+        # named by the slice, not a flag: infer.tpu_fits compiles slices it has no flag for
+        raise S2DError(f"compiling for the TPU slice{' ' + name if name else 's'} needs the "
+                       f"TPU compiler: pip install -e '.[tpu]' (libtpu; no TPU is needed to "
+                       f"compile), or S2D_LIBTPU_PATH naming a libtpu.so kept out of the "
+                       f"environment")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # This host as a one-host slice without chips: libtpu otherwise prints several lines
     # (no accelerator type, no worker hostnames) on loading; the compile-only topology is
@@ -63,6 +65,15 @@ def prepare(name: str = "") -> None:
     # libtpu takes /tmp/libtpu_lockfile for the chips it drives; a compile-only process
     # drives none, so two of them (a test beside a report) may share the machine.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def _installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it: find_spec of a dotted name
+    raises ModuleNotFoundError (not None) when its parent package (jax_plugins) is absent."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _cpu_backend() -> None:

@@ -198,6 +198,9 @@ def prepare(tc: TrainConfig, devices=None) -> PreparedRun:
     maybe_initialize_distributed()
     cfg, exits, source = resolve_draft(tc)
     check_frozen_layers(tc, exits)
+    if tc.model.init_from:  # its config now: train() creates the checkpoint dir and plan
+        from s2d_jax.train.warm_start import check_committed
+        check_committed(tc.model.init_from, cfg)
     weights = tc.draft.resolved_weights(len(exits))
     mesh = make_mesh(tc.mesh, devices)
     check_divisible(cfg, tc.mesh, "model")
@@ -313,10 +316,15 @@ def train(tc: TrainConfig, devices=None, progress: bool = True, hooks=()) -> dic
                                 tc.checkpoint.async_save) if tc.checkpoint.dir else None
     data_slice = getattr(run.iterator, "stats", {}).get("data_slice")
     plan = ckpt.run_plan(tc, data_slice)
-    if manager:
-        ckpt.check_run_plan(tc.checkpoint.dir, plan, manager.latest_step() is not None)
+    resuming = manager is not None and manager.latest_step() is not None
+    if resuming:  # another plan is refused before its checkpoint is read
+        ckpt.check_run_plan(tc.checkpoint.dir, plan, True)
     state, start, legs = restore_or_init(run, manager, plan)
     if manager:
+        # a new run's plan only once it has started: a plan left by a start that failed
+        # (e.g. a wrong model.continue_from) would refuse the corrected rerun as another run
+        if not resuming:
+            ckpt.check_run_plan(tc.checkpoint.dir, plan, False)
         continuation.keep_legs(tc.checkpoint.dir, legs)
     bar = [ProgressBar(run.total_steps, start)] if progress and jax.process_index() == 0 else []
     hooks = [MetricsLog(tc.metrics_path), *bar, *hooks]

@@ -11,8 +11,6 @@ layers come back dequantized, not as the float32 weights that were trained.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +36,29 @@ def committed_weights(path: str) -> tuple[ModelConfig, dict, str]:
                  "final_norm": jax.device_get(params["final_norm"])}, "float32 weights"
 
 
-def _same_shape(a: ModelConfig, b: ModelConfig) -> bool:
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-            "head_dim")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
+# What a committed draft must share with the draft it starts (its depth may differ).
+SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+         "head_dim")
+
+
+def check_committed(path: str, cfg: ModelConfig, flag: str = "model.init_from") -> ModelConfig:
+    """The committed draft at `path` (its config only, no weight read) fits a draft of
+    shape `cfg`, else one S2DError naming `flag`: run before anything is written, so a bad
+    path is refused before a run's dirs and plan exist (warm_start would find it only
+    after them). Returns the committed draft's config."""
+    from s2d_jax.io.checkpoint import stored_model_config
+    saved = stored_model_config(path)
+    _check_shape(saved, cfg, path, flag)
+    return saved
+
+
+def _check_shape(saved: ModelConfig, cfg: ModelConfig, path: str, flag: str) -> None:
+    # the first shape key that differs (not its name or dtype, which may differ freely)
+    diff = next((k for k in SHAPE if getattr(saved, k) != getattr(cfg, k)), None)
+    if diff is not None:
+        raise S2DError(f"{flag} {path} is a draft of another shape ({diff} "
+                       f"{getattr(saved, diff)}, this draft has {getattr(cfg, diff)}); "
+                       f"give a draft of this target, or drop {flag}")
 
 
 # A layer's writes to the residual stream: zeroed, the layer is the identity.
@@ -56,12 +73,7 @@ def warm_start(params: dict, cfg: ModelConfig, path: str, log=print, lost: str =
     zeroed (each added layer starts as the identity, the deepest exit as the committed
     draft's deepest). Logs what is kept and what is `lost`."""
     saved_cfg, own, how = committed_weights(path)
-    if not _same_shape(saved_cfg, cfg):
-        diff = next(k for k, v in dataclasses.asdict(saved_cfg).items()
-                    if k != "num_layers" and getattr(cfg, k, v) != v)
-        raise S2DError(f"model.init_from {path} is a draft of another shape ({diff} "
-                       f"{getattr(saved_cfg, diff)}, this draft has {getattr(cfg, diff)}); "
-                       f"give a draft of this target, or drop model.init_from")
+    _check_shape(saved_cfg, cfg, path, "model.init_from")
     n = min(saved_cfg.num_layers, cfg.num_layers)
     layers = {}
     for name, w in params["layers"].items():
