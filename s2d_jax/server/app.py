@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP server (FastAPI on uvicorn, what vLLM serves with):
 /v1/chat/completions and /v1/completions (SSE-streamed or not), /v1/models, /health.
 
-Handlers run on uvicorn's event loop and never touch the device: each parses its body
-(openai_api.py), submits a Request to the Worker (the one thread owning the slot engine)
-and waits on an asyncio queue that the job's sink fills from the worker's thread. A full
-wait list answers 429 with Retry-After; a client that disconnects (a stream it stops
-reading, or a closed connection while it waits) cancels its job, which frees its slot at
-the next chunk boundary. Every error, whatever raised it, leaves in OpenAI's error shape.
+Handlers run on uvicorn's event loop and never touch the device: each reads its body in
+chunks up to max_body_bytes (body.py; 413 past it), parses it on a worker thread (JSON,
+the field checks, the chat template and the tokenizer: openai_api.py), so that no body
+holds up /health or the other clients, submits a Request to the Worker (the one thread
+owning the slot engine) and waits on an asyncio queue that the job's sink fills from the
+worker's thread. A full wait list answers 429 with Retry-After; a client that disconnects
+(while it sends, waits, or reads its stream) cancels its job, which frees its slot at the
+next chunk boundary, and costs one log line. Every error, whatever raised it, leaves in
+OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -16,26 +19,42 @@ import logging
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from s2d_jax.errors import S2DError
+from s2d_jax.server import body as bodies
 from s2d_jax.server import openai_api as oa
 from s2d_jax.server.worker import QueueFull, Worker
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed handler checks its client
+GONE = 499  # nginx's status for a client that left: what the access log shows for it
 
 
 def _error(e: oa.ApiError, headers=None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def _client(http: HttpRequest) -> str:
+    return f"{http.client.host}:{http.client.port}" if http.client else "?"
+
+
+def _left(http: HttpRequest, when: str) -> Response:
+    """A client that disconnected: one log line (not a traceback), no answer to send."""
+    log.info("client %s disconnected %s; its request was dropped", _client(http), when)
+    return Response(status_code=GONE)
+
+
 def make_app(worker: Worker, *, model: str, tokenizer, template: str,
-             default_max_tokens: int = 256) -> FastAPI:
+             default_max_tokens: int = 256,
+             max_body_bytes: int = bodies.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app serving `worker`'s engine under the model name `model`; prompts rendered in
-    `template` (resolved: auto, vicuna or none) with `tokenizer`."""
+    `template` (resolved: auto, vicuna or none) with `tokenizer`; bodies past
+    `max_body_bytes` answered 413."""
     app = FastAPI(title="s2d-jax", docs_url=None, redoc_url=None)
     _answer_errors_as_openai(app)
     engine = worker.engine
@@ -51,13 +70,18 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
             "id": model, "object": "model", "created": 0, "owned_by": "s2d-jax",
             "max_model_len": engine.max_len}]}
 
+    def parse(raw: bytes, chat: bool):  # on a worker thread: the CPU work of a request
+        return oa.parse(bodies.decode(raw), chat, model, tokenizer, template, engine.max_len,
+                        default_max_tokens)
+
     async def complete(http: HttpRequest, chat: bool):
         try:
-            body = oa.read_body(await http.body())
-            request, opts = oa.parse(body, chat, model, tokenizer, template, engine.max_len,
-                                     default_max_tokens)
-        except oa.ApiError as e:
-            return _error(e)
+            raw = await bodies.read(http, max_body_bytes)
+            request, opts = await run_in_threadpool(parse, raw, chat)
+        except oa.ApiError as e:  # a 413 leaves the body unread: the connection can't go on
+            return _error(e, headers={"Connection": "close"} if e.status == 413 else None)
+        except ClientDisconnect:
+            return _left(http, "while sending its request")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -75,7 +99,7 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
             return _error(oa.ApiError(400, str(e), param="prompt"))
         reply = oa.Reply(chat, model, method)
         if opts["stream"]:
-            return StreamingResponse(_stream(job, events, reply, opts["include_usage"]),
+            return StreamingResponse(_stream(http, job, events, reply, opts["include_usage"]),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(http, job, events, reply)
@@ -119,7 +143,7 @@ async def _whole(http: HttpRequest, job, events: asyncio.Queue, reply: oa.Reply)
         except asyncio.TimeoutError:
             if await http.is_disconnected():
                 job.cancel()
-                return JSONResponse({}, status_code=499)
+                return _left(http, "before its answer was ready")
             continue
         if event["type"] == "done":
             return JSONResponse(reply.full(event["result"]))
@@ -128,7 +152,8 @@ async def _whole(http: HttpRequest, job, events: asyncio.Queue, reply: oa.Reply)
                                       kind="server_error"))
 
 
-async def _stream(job, events: asyncio.Queue, reply: oa.Reply, include_usage: bool):
+async def _stream(http: HttpRequest, job, events: asyncio.Queue, reply: oa.Reply,
+                  include_usage: bool):
     """SSE chunks as the text grows; a client that stops reading cancels the job (the
     response task is cancelled: `finally`)."""
     first = True
@@ -155,3 +180,4 @@ async def _stream(job, events: asyncio.Queue, reply: oa.Reply, include_usage: bo
     finally:
         if not job.finished.is_set():
             job.cancel()
+            _left(http, "during its streamed answer")

@@ -2,43 +2,37 @@
 a JSON body -> a checked Request (or an ApiError in OpenAI's error shape), a Result ->
 the response body, and the streamed chunks.
 
-Bodies are read as plain JSON and checked here, field by field, with the API's validators
-(s2d_jax/validate.py), so every bad request is a 4xx with {"error": {"message", "type",
-"param", "code"}} naming the field, as OpenAI answers, and never a 500. Fields OpenAI has
-and this server does not implement are refused when set to anything but their default
-(n > 1, logprobs, tools, ...); unknown fields are ignored, as OpenAI's server does.
+Bodies arrive decoded and checked for size, depth and Unicode (body.py) and are checked
+here, field by field, with the API's validators (s2d_jax/validate.py), so every bad request
+is a 4xx with {"error": {"message", "type", "param", "code"}} naming the field, as OpenAI
+answers, and never a 500. Fields OpenAI has and this server does not implement are refused
+unless they hold their default (fields.py); unknown fields are ignored, as OpenAI's server
+did.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 import uuid
 
 from s2d_jax import validate
 from s2d_jax.errors import S2DError
+from s2d_jax.server import fields
+from s2d_jax.server.api_error import ApiError
 from s2d_jax.server.request import MAX_STOPS, Request, Result
 
-# field: its default; any other value is refused (what this server does not implement)
-UNSUPPORTED = {"n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False,
-               "suffix": None, "logit_bias": None, "tools": None, "functions": None,
-               "tool_choice": None, "function_call": None, "response_format": None,
-               "presence_penalty": 0, "frequency_penalty": 0}
+log = logging.getLogger(__name__)
+# Requests are parsed on worker threads (app.py), and a transformers tokenizer is not
+# thread-safe: each call sets its backend's encode_special_tokens (special-token text is
+# split in a completion prompt, parsed in a rendered chat template), so two at once could
+# encode one prompt with the other's setting. One encodes at a time.
+_TOKENIZING = threading.Lock()
 ROLES = ("system", "user", "assistant")
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = (status, message, param,
-                                                                       code, kind)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+# OpenAI's newer name of the system message (what its reasoning models read instead)
+ROLE_ALIASES = {"developer": "system"}
 
 
 def _field(body: dict, name: str, check, default=None):
@@ -52,24 +46,6 @@ def _field(body: dict, name: str, check, default=None):
         raise ApiError(400, str(e), param=name) from None
 
 
-def read_body(raw: bytes) -> dict:
-    """The JSON object of a request body (NaN / Infinity literals refused)."""
-    def no_constant(name):
-        raise ApiError(400, f"{name} is not a number JSON allows; send a finite number",
-                       code="invalid_json")
-    try:
-        body = json.loads(raw or b"", parse_constant=no_constant)
-    except ApiError:
-        raise
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON ({e}); send a JSON object",
-                       code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(body).__name__}",
-                       code="invalid_json")
-    return body
-
-
 def _check_model(body: dict, served: str) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -79,14 +55,6 @@ def _check_model(body: dict, served: str) -> str:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                        f"{served!r}", param="model", code="model_not_found")
     return model
-
-
-def _check_unsupported(body: dict) -> None:
-    for name, default in UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and value != default and not (name == "logit_bias" and value == {}):
-            raise ApiError(400, f"{name}={json.dumps(value)[:40]} is not supported by this "
-                           f"server; leave it out (or {default!r})", param=name)
 
 
 def _stop(value, name):
@@ -105,7 +73,6 @@ def request_settings(body: dict, default_max_tokens: int, room: int) -> dict:
     """The decoding settings of a body: max_tokens (OpenAI's newer max_completion_tokens
     too; default: default_max_tokens, at most the `room` left after the prompt),
     temperature (OpenAI's default 1), top_p, seed, stop."""
-    _check_unsupported(body)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _field(body, name, lambda v, n: validate.integer(v, n, 1), None)
@@ -129,9 +96,13 @@ def _message_text(m, i: int) -> dict:
         raise ApiError(400, f"messages[{i}] must be an object with role and content",
                        param=f"messages[{i}]")
     role, content = m.get("role"), m.get("content")
+    role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
     if role not in ROLES:
-        raise ApiError(400, f"messages[{i}].role {role!r:.40} is not one of {', '.join(ROLES)}",
+        raise ApiError(400, f"messages[{i}].role {role!r:.40} is not one of "
+                       f"{', '.join([*ROLES, *ROLE_ALIASES])} (this server has no tools)",
                        param=f"messages[{i}].role")
+    fields.check(m, fields.ASSISTANT_MESSAGE if role == "assistant" else fields.MESSAGE,
+                 f"messages[{i}].")
     if isinstance(content, list):
         parts = [p.get("text") if isinstance(p, dict) and p.get("type") == "text" else None
                  for p in content]
@@ -155,9 +126,24 @@ def chat_prompt(body: dict, tok, template: str) -> list[int]:
     messages = [_message_text(m, i) for i, m in enumerate(messages)]
     try:
         split_messages(messages)
-        return messages_ids(tok, template, messages)
     except S2DError as e:
         raise ApiError(400, str(e), param="messages") from None
+    return _tokenized(lambda: messages_ids(tok, template, messages), "messages")
+
+
+def _tokenized(encode, param: str) -> list[int]:
+    """encode() -> ids; whatever the template or the tokenizer raises on the client's text
+    is a 400 naming its field (one log line, not a 500 with a traceback)."""
+    try:
+        with _TOKENIZING:
+            return encode()
+    except S2DError as e:
+        raise ApiError(400, str(e), param=param) from None
+    except Exception as e:  # the tokenizer's own types (TypeError, pyo3 panics, ...)
+        log.warning("the tokenizer refused a request's %s: %s: %s", param, type(e).__name__,
+                    str(e)[:200])
+        raise ApiError(400, f"the tokenizer cannot encode this {param} ({type(e).__name__}: "
+                       f"{str(e)[:120]}); send plain text", param=param) from None
 
 
 def completion_prompt(body: dict, tok) -> list[int]:
@@ -167,7 +153,7 @@ def completion_prompt(body: dict, tok) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return tok.encode(prompt, bos=True)
+        return _tokenized(lambda: tok.encode(prompt, bos=True), "prompt")
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
         return list(prompt)
@@ -179,10 +165,14 @@ def parse(body: dict, chat: bool, served: str, tok, template: str, max_len: int,
           default_max_tokens: int) -> tuple[Request, dict]:
     """A request body -> (Request, {"stream", "include_usage"})."""
     _check_model(body, served)
+    fields.check(body, fields.CHAT if chat else fields.COMPLETIONS)
     stream = _field(body, "stream", validate.switch, False)
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
+        raise ApiError(400, "stream_options must be an object such as {\"include_usage\": "
+                       "true}", param="stream_options")
+    fields.check(options, fields.STREAM_OPTIONS, "stream_options.")
     ids = chat_prompt(body, tok, template) if chat else completion_prompt(body, tok)
     if len(ids) >= max_len:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server holds {max_len} "
