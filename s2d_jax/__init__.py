@@ -145,7 +145,8 @@ def serve(target: str, draft: str | None = None, *, method: str = "s2d",
     /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over
     `slots` decode slots (s2d_jax/server/). settings: name, gamma, thresholds, exit, exits,
     dtype, chat_template, slots, max_len, chunk_rounds, max_queue, default_max_tokens,
-    seed. block=False returns the started Server (its .url; .stop() ends it)."""
+    max_body_bytes (a larger request body is a 413; default 4 MiB), seed. The port is
+    bound before anything loads. block=False returns the started Server (its .url; .stop() ends it)."""
     from s2d_jax import validate
     from s2d_jax.server.launch import build_server
 
