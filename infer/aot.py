@@ -26,7 +26,7 @@ import os
 import sys
 
 from s2d_jax.cli.args import (ArgumentParser, add_input, check_at_least,
-                        check_gamma, fake_cpu_devices, finite_number, parse_floats, parse_ints)
+                        check_gamma, fake_cpu_devices, parse_floats, parse_ints)
 from s2d_jax.cli.flags import add
 from s2d_jax.decode.methods import DEFAULT_GAMMA, METHODS, method_order, proposer
 from s2d_jax.errors import S2DError, cli_main
@@ -70,9 +70,7 @@ def _parse(argv):
                         "memory bandwidth, with Lemma 3.1's speedup bound (see --acceptance)")
     for name in ("--acceptance", "--paper-acceptance"):
         add(p, name, CMD)
-    p.add_argument("--bandwidth", type=finite_number, default=None, metavar="GB/s",
-                   help="memory bandwidth of one device (default: the --device-memory "
-                        "preset's datasheet figure, s2d_jax/decode/roofline.py)")
+    add(p, "--bandwidth", CMD)
     add_input(p, "--train-config", default=None,
                    help="also AOT-compile the SoFT step of this training YAML for the draft")
     return p.parse_args(argv)

@@ -11,8 +11,18 @@ On the first device JAX sees (it refuses a CPU unless --allow-cpu):
   (b) Vicuna-7B- and 13B-shaped targets with random bfloat16 weights and a 12-layer draft of
       the 7B's shape (exits 6/9/12): the target's verify call for windows 1..8 (1 = an AR
       step) and each exit's whole draft step, timed in jitted loops (bench/call_costs.py),
-      and Lemma 3.1's predicted speedup at gamma 4 with (i) the SmolLM2 S2D run's measured
-      MAT and (ii) --paper-mat, the MAT the paper reports (not built in: pass it).
+      each beside its bandwidth bound (the bytes a call must read, weights + KV cache once,
+      roofline.call_bytes, over the device's memory bandwidth: its roofline.DEVICE_BANDWIDTH
+      preset found from the device's name, or --bandwidth) and measured / bound;
+      Lemma 3.1's predicted speedup at gamma 4 with (i) the SmolLM2 S2D run's measured
+      MAT and (ii) --paper-mat, the MAT the paper reports (not built in: pass it); and
+      XLA:GPU's two GEMM backends, Triton (its default) against cuBLAS
+      (xla_gpu_enable_triton_gemm=false), given per compile: the 7B shape's verify call
+      at windows 1 and gamma + 1 compiled again with cuBLAS, and its decode matmuls
+      (every distinct weight shape, rows 1/5/8, bench/gemm_costs.py) compiled both ways:
+      ms, GB/s, the faster, and which backend (and XLA flag) the measurements favour; the
+      library's defaults stay as they are. On a CPU that part is "n/a on cpu": XLA's
+      own dots are timed at rows 1/5, no cuBLAS verify call.
 Progress goes to stdout; OUT/results.json and OUT/report.md are rewritten after every
 measurement, so a run cut short leaves what it measured. --allow-cpu on a CPU runs the
 demo family (1 question, 16 tokens, greedy, AR / SD at the deepest exit / S2D, gamma 1)
@@ -50,6 +60,9 @@ DRAFT_SHAPE, DRAFT_EXITS = "configs/models/vicuna-7b-v1.5.yaml", (6, 9, 12)
 # timed (1 = an AR step); the CPU smoke run (tiny: True) uses fewer: each window is a
 # compile, and XLA:CPU compiles a gamma-4 decode loop of the demo models in ~5-9 s
 GAMMA, WINDOWS = {False: DEFAULT_GAMMA, True: 1}, {False: 8, True: 2}
+# rows of (b)'s decode matmuls (bench/gemm_costs.py): an AR step, a gamma-4 verify window,
+# 8; the CPU smoke run two (each row count x shape is a compile)
+GEMM_ROWS = {False: (1, 5, 8), True: (1, 5)}
 
 
 def _parse(argv):
@@ -72,6 +85,7 @@ def _parse(argv):
     p.add_argument("--windows", type=int, default=None, metavar="N",
                    help=f"(b) times verify windows 1..N (default {WINDOWS[False]}; "
                         f"{WINDOWS[True]} with --allow-cpu on a CPU); at least gamma + 1")
+    add(p, "--bandwidth", CMD)
     add(p, "--train-minutes", "device-check")
     return p.parse_args(argv)
 
@@ -79,8 +93,11 @@ def _parse(argv):
 class Results:
     """results.json + report.md under OUT, rewritten after every measurement."""
 
-    def __init__(self, out: str, device: str):
-        self.out, self.data = out, {"device": device, "smollm2": None, "shapes": {},
+    def __init__(self, out: str, device: str, platform: str = "cpu", bandwidth=None):
+        self.out, self.data = out, {"device": device, "platform": platform,
+                                    "bandwidth": bandwidth or {"bytes_per_s": None,
+                                                               "source": None},
+                                    "smollm2": None, "shapes": {}, "gemm": None,
                                     "train": None}
         os.makedirs(out, exist_ok=True)
 
@@ -92,6 +109,46 @@ class Results:
 
 def _ms(x):
     return "-" if x is None else f"{1e3 * x:.3f}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+# device_kind of a real GPU -> its roofline.DEVICE_BANDWIDTH preset, where the name says
+# which part it is (topology.CHIPS first: the TPUs and the H100 SXM); an H100 PCIe / NVL
+# or an A100 PCIe has other bandwidths than the presets: --bandwidth
+GPU_PRESETS = (("H200", "h200-141gb"), ("H100 80GB HBM3", "h100-80gb"),
+               ("A100-SXM4-80GB", "a100-80gb"), ("A100-SXM4-40GB", "a100-40gb"),
+               ("NVIDIA L4", "l4-24gb"))
+
+
+def device_bandwidth(device_kind: str, gbps: float | None) -> dict:
+    """{"bytes_per_s", "source"} of the device: --bandwidth (GB/s), else the preset its
+    name maps to; bytes_per_s None where neither (a CPU, an unlisted GPU)."""
+    from s2d_jax.decode.roofline import DEVICE_BANDWIDTH
+    from s2d_jax.parallel.topology import CHIPS
+    if gbps is not None:
+        return {"bytes_per_s": gbps * 1e9, "source": f"--bandwidth {gbps:g} GB/s"}
+    preset = CHIPS.get(device_kind) or next(
+        (p for mark, p in GPU_PRESETS if mark in device_kind), None)
+    if preset in DEVICE_BANDWIDTH:
+        return {"bytes_per_s": DEVICE_BANDWIDTH[preset],
+                "source": f"the {preset} preset's datasheet figure (s2d_jax/decode/roofline.py)"}
+    return {"bytes_per_s": None, "source": f"no bandwidth known for {device_kind!r}: pass "
+                                           f"--bandwidth GB/s for the bounds"}
+
+
+def _bandwidth_line(bw: dict) -> str:
+    if bw["bytes_per_s"] is None:
+        return f"Bounds: none ({bw['source']})."
+    return (f"Bounds at {bw['bytes_per_s'] / 1e12:.3g} TB/s ({bw['source']}): the bytes a "
+            f"call must read (every weight and the whole KV cache, once) over the bandwidth; "
+            f"a LOWER BOUND on its time, measured / bound >= 1.")
 
 
 def report_md(d: dict) -> str:
@@ -108,11 +165,21 @@ def report_md(d: dict) -> str:
                              f"{f('mean_accepted_tokens', '{:.2f}')} | "
                              f"{f('exact_match_vs_ar', '{:.2f}')} |")
         lines.append(f"\nFull report (round costs, per task): {s['report']}\n")
+    bw = d.get("bandwidth") or {"bytes_per_s": None, "source": "-"}
     for name, r in d["shapes"].items():
+        b = r.get("bound") or {}
+        gb = (f"A verify call reads {_bytes(b['verify_bytes'])} (weights + KV cache). "
+              if b.get("verify_bytes") else "")
         lines += [f"## (b) {name}-shaped target, random bf16 weights, 12-layer draft\n",
-                  "| call | ms |", "|---|---|"]
-        lines += [f"| target verify, window {w} | {_ms(c)} |" for w, c in r["verify_s"].items()]
-        lines += [f"| draft step, exit {e} | {_ms(c)} |" for e, c in r["draft_step_s"].items()]
+                  f"{gb}{_bandwidth_line(bw)}\n",
+                  "| call | ms | bound ms | measured / bound |", "|---|---|---|---|"]
+        vb, db = b.get("verify_s"), b.get("draft_step_s") or {}
+        ratio = lambda c, lo: None if c is None or not lo else c / lo  # noqa: E731
+        lines += [f"| target verify, window {w}{' (AR step)' if str(w) == '1' else ''} | "
+                  f"{_ms(c)} | {_ms(vb)} | {_ratio(ratio(c, vb))} |"
+                  for w, c in r["verify_s"].items()]
+        lines += [f"| draft step, exit {e} | {_ms(c)} | {_ms(db.get(e))} | "
+                  f"{_ratio(ratio(c, db.get(e)))} |" for e, c in r["draft_step_s"].items()]
         for p in r.get("predictions", []):
             lines.append(f"\nLemma 3.1, gamma {p['gamma']}, exit {p['exit']}, MAT {p['mat']:.2f} "
                          f"({p['source']}): predicted speedup **{p['speedup']:.2f}x**")
@@ -120,7 +187,82 @@ def report_md(d: dict) -> str:
             lines.append("\n(ii) with the paper's MAT not computed: pass --paper-mat (the "
                          "values of S2D's Spec-Bench tables, arXiv 2407.01955).")
         lines.append("")
-    return "\n".join(lines + train_md(d.get("train"))) + "\n"
+    g = d.get("gemm")
+    shape = d["shapes"].get(g["model"]) if g else None
+    return "\n".join(lines + gemm_md(g, bw, shape) + train_md(d.get("train"))) + "\n"
+
+
+def _int(x):
+    try:
+        return int(x)
+    except ValueError:
+        return x
+
+
+def gemm_md(g: dict | None, bw: dict, shape: dict | None = None) -> list[str]:
+    """(b)'s GEMM table: each decode matmul shape and row count under each backend, and
+    the backend the measurements favour with the XLA flag that selects it; `shape`: the
+    model's (b) entry (its measured verify calls, with cuBLAS too where timed)."""
+    if not g:
+        return []
+    peak = bw.get("bytes_per_s")
+    names = g["backends"]
+    gpu = g["platform"] == "gpu"
+    vs = "Triton vs cuBLAS" if gpu else f"Triton vs cuBLAS n/a on {g['platform']}"
+    lines = [f"## (b) GEMM backends: {g['model']}'s decode matmuls, {vs}\n",
+             f"Each row: a pass of `rows` x K through L matrices [K, N] (each its own "
+             f"buffer), "
+             + (f"compiled once per backend ({g['flag']}=true: XLA's Triton GEMM, the "
+                f"default; =false: cuBLAS)" if gpu else
+                f"compiled once ({g['flag']} is an XLA:GPU flag: XLA's own dots)")
+             + "; GB/s: the weights' bytes over the time"
+             + (" (% of the bandwidth)" if peak else "")
+             + "; kernels: what the compiled program calls (and weight-sized copies it "
+               "makes, if any).\n",
+             "| matrices | rows | " + " | ".join(f"{b} ms | {b} GB/s" for b in names)
+             + " | kernels | faster |",
+             "|---|---|" + "---|---|" * len(names) + "---|---|"]
+    for s in g["shapes"]:
+        for r, row in s["by_rows"].items():
+            t = row["backends"]
+            pct = lambda b: f" ({t[b]['gbps'] * 1e9 / peak:.0%})" if peak else ""  # noqa: E731
+            verdict = (f"{row['faster']} {row['ratio']:.2f}x" if row.get("ratio")
+                       else row["faster"])
+            kern = ", ".join("+".join(t[b]["kernels"])
+                             + (f" ({t[b]['copies']} copies)" if t[b].get("copies") else "")
+                             for b in names)
+            lines.append(f"| {s['name']} {s['layers']} x [{s['k']}, {s['n']}] | {r} | "
+                         + " | ".join(f"{_ms(t[b]['s'])} | {t[b]['gbps']:.0f}{pct(b)}"
+                                      if t[b]["s"] else "- | -" for b in names)
+                         + f" | {kern} | {verdict} |")
+    shape = shape or {}
+    verify_s = shape.get("verify_s") or {}
+    if g.get("step_s"):
+        lines.append("")
+        step = g["step_s"]
+        for r in step[names[0]]:  # int keys here, str keys in results.json
+            call = verify_s.get(r, verify_s.get(str(r), verify_s.get(_int(r))))
+            lines.append(f"- a step's matmuls at {r} row(s) (each shape x its matrices a "
+                         f"layer): " + ", ".join(f"{b} {_ms(step[b][r])} ms" for b in names)
+                         + (f"; the measured verify call of {r} token(s): {_ms(call)} ms"
+                            if call else ""))
+    by = shape.get("verify_by_backend")
+    if by:
+        lines += [f"- the model's verify call of {w} token(s): Triton (default) "
+                  f"{_ms(by['triton'][w])} ms, cuBLAS {_ms(c)} ms" for w, c in by["cublas"].items()]
+    c = g.get("choice")
+    if c:
+        if c["default"] is None:
+            lines.append(f"\nGEMM default for the decode shapes: {c['why']}.")
+        else:
+            how = (f"set `XLA_FLAGS={c['xla_flags']}` (or compile with "
+                   f"`compiler_options={{'{g['flag']}': False}}`)" if c["xla_flags"] else
+                   f"nothing to set (XLA's default, `{g['flag']}=true`)")
+            split = ", ".join(f"{r}: {b}" for r, b in c["per_rows"].items())
+            lines.append(f"\n**GEMM default for the decode shapes: {c['default']}** - "
+                         f"{c['why']} (kernels faster per row count: {split}); {how}. The "
+                         f"library's defaults are unchanged.")
+    return lines + [""]
 
 
 def train_md(t: dict | None) -> list[str]:
@@ -264,32 +406,117 @@ def _lemma_speedup(verify_s: dict, step_s: float, mat: float, gamma: int) -> flo
     return verify_s[1] / per_token
 
 
+def _bounds(cfg, draft_cfg, exits, max_len: int, bandwidth: float | None) -> dict:
+    """Bytes a verify call of `cfg` and a draft step stopping at each exit must read
+    (roofline.call_bytes: every weight, the embedding only where it is the head, and the
+    whole cache of those layers, once) and, with a bandwidth, those bytes' time."""
+    from s2d_jax.decode.roofline import call_bytes
+    verify = call_bytes(cfg, 1, max_len)
+    draft = {e: call_bytes(dataclasses.replace(draft_cfg, num_layers=e), 1, max_len)
+             for e in exits}
+    t = (lambda n: n / bandwidth) if bandwidth else (lambda n: None)
+    return {"verify_bytes": verify, "draft_step_bytes": draft, "verify_s": t(verify),
+            "draft_step_s": {e: t(n) for e, n in draft.items()}}
+
+
+def _vs_bound(measured: float, bound: float | None) -> str:
+    if bound is None:
+        return "(no bound: no bandwidth)"
+    return f"(bound {1e3 * bound:.3f} ms, measured/bound {measured / bound:.2f}x)"
+
+
 def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
-    """(b): per-call costs of 7B/13B-shaped targets and the 12-layer draft, random weights."""
+    """(b): per-call costs of 7B/13B-shaped targets and the 12-layer draft, random weights,
+    beside their bandwidth bounds; then the first shape's decode matmuls under each GEMM
+    backend (check_gemms)."""
     from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
 
     cfgs, draft_cfg, exits = _shape_cfgs(tiny)
     max_len, start = (256, 64) if tiny else (2048, 512)
+    bandwidth = res.data["bandwidth"]["bytes_per_s"]
+    print(_bandwidth_line(res.data["bandwidth"]), flush=True)
     draft = _random_params(draft_cfg, 1, tiny)
     steps = draft_step_probes(draft, draft_cfg, exits, start=start, max_len=max_len)
     for p in steps:
         for _ in range(args.samples):
             p.sample()
     step_s = {e: p.result() for e, p in zip(exits, steps)}
+    del draft, steps
     print(f"draft steps (ms): {[round(1e3 * c, 3) for c in step_s.values()]}", flush=True)
-    for name, cfg in cfgs.items():
+    for i, (name, cfg) in enumerate(cfgs.items()):
+        bound = _bounds(cfg, draft_cfg, exits, max_len, bandwidth)
+        if i == 0:
+            for e, c in step_s.items():
+                print(f"draft step, exit {e}: {1e3 * c:.3f} ms "
+                      f"{_vs_bound(c, bound['draft_step_s'][e])}", flush=True)
+        print(f"{name}: a verify call reads {_bytes(bound['verify_bytes'])} (weights + KV "
+              f"cache of {max_len})", flush=True)
         params = _random_params(cfg, 0, tiny)
-        entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s}
+        entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s,
+                                            "bound": bound, "vs_bound": {}}
         for w in range(1, (args.windows or WINDOWS[tiny]) + 1):
             probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len)
             for _ in range(args.samples):
                 probe.sample()
-            entry["verify_s"][w] = probe.result()
-            print(f"{name}: verify window {w}: {1e3 * entry['verify_s'][w]:.3f} ms", flush=True)
+            c = entry["verify_s"][w] = probe.result()
+            entry["vs_bound"][w] = c / bound["verify_s"] if bound["verify_s"] else None
+            print(f"{name}: verify window {w}{' (AR step)' if w == 1 else ''}: {1e3 * c:.3f} "
+                  f"ms {_vs_bound(c, bound['verify_s'])}", flush=True)
             res.save()
+        if i == 0:
+            _verify_cublas(args, res, entry, name, params, cfg, start, max_len, tiny)
         entry["predictions"] = _predictions(res, entry, name, exits, paper_mat, GAMMA[tiny])
         res.save()
-        del params
+        del params, probe
+        if i == 0:  # the 7B shape's matmuls, its weights freed first
+            check_gemms(args, res, name, cfg, tiny, entry.get("verify_by_backend"))
+
+
+def _verify_cublas(args, res: Results, entry: dict, name: str, params, cfg, start: int,
+                   max_len: int, tiny: bool) -> None:
+    """The model-level GEMM comparison: the AR step and the gamma + 1 verify window
+    compiled again with cuBLAS (xla_gpu_enable_triton_gemm=false) beside the default's
+    (Triton) times above: what the flag does to the model's own program. GPU only."""
+    from s2d_jax.bench import gemm_costs
+    from s2d_jax.bench.call_costs import verify_probe
+    platform = res.data["platform"]
+    if platform != "gpu":
+        print(f"{name}: verify with cuBLAS ({gemm_costs.TRITON_FLAG}=false): n/a on "
+              f"{platform}", flush=True)
+        return
+    by = entry["verify_by_backend"] = {"triton": {}, "cublas": {}}
+    for w in sorted({1, GAMMA[tiny] + 1} & set(entry["verify_s"])):
+        probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len,
+                             compiler_options=gemm_costs.BACKENDS["cublas"])
+        for _ in range(args.samples):
+            probe.sample()
+        by["triton"][w], by["cublas"][w] = entry["verify_s"][w], probe.result()
+        print(f"{name}: verify window {w} with cuBLAS ({gemm_costs.TRITON_FLAG}=false): "
+              f"{1e3 * by['cublas'][w]:.3f} ms (default, Triton: {1e3 * by['triton'][w]:.3f} "
+              f"ms)", flush=True)
+        res.save()
+        del probe
+
+
+def check_gemms(args, res: Results, name: str, cfg, tiny: bool,
+                verify: dict | None = None) -> None:
+    """(b), GEMM backends: `cfg`'s decode matmuls compiled with XLA:GPU's Triton GEMM and
+    with cuBLAS (bench/gemm_costs.py); on a CPU XLA's own dots alone ("n/a on cpu")."""
+    from s2d_jax.bench import gemm_costs
+
+    def saved(entry):
+        res.data["gemm"] = {"model": name, **entry}
+        res.save()
+    platform = res.data["platform"]
+    if platform != "gpu":
+        print(f"gemm: triton vs cublas n/a on {platform} ({gemm_costs.TRITON_FLAG} is an "
+              f"XLA:GPU flag); timing XLA's own dots", flush=True)
+    entry = gemm_costs.time_gemms(cfg, platform, args.samples, GEMM_ROWS[tiny], on_host=tiny,
+                                  progress=lambda m: print(m, flush=True), saved=saved,
+                                  verify=verify)
+    c = entry["choice"]
+    print(f"gemm default for the decode shapes: {c['default'] or '-'}: {c['why']}"
+          + (f"; set XLA_FLAGS={c['xla_flags']}" if c["xla_flags"] else ""), flush=True)
 
 
 def _predictions(res: Results, entry: dict, name: str, exits, paper_mat: dict,
@@ -342,6 +569,8 @@ def main(argv=None):
                        f"prediction's verify window), got {args.windows}")
     if args.train_minutes is not None and not args.train_minutes > 0:
         raise S2DError(f"--train-minutes must be > 0, got {args.train_minutes}")
+    if args.bandwidth is not None and not args.bandwidth > 0:
+        raise S2DError(f"--bandwidth must be a positive number of GB/s, got {args.bandwidth}")
     import jax
     dev = jax.devices()[0]
     tiny = dev.platform == "cpu"
@@ -351,13 +580,17 @@ def main(argv=None):
                        "the tiny smoke test")
     device = f"{dev.device_kind} ({dev.platform}, {len(jax.devices())} device(s))"
     print(f"device: {device}", flush=True)
+    bandwidth = device_bandwidth(dev.device_kind, args.bandwidth)
     from s2d_jax.io.atomic import files_dir
     with files_dir(args.out, args.s2d_prog):  # marked as this tool's; no empty dir on failure
-        return _run(args, device, tiny, paper_mat)
+        # XLA:GPU's devices say "gpu" (a CUDA or ROCm plugin's backend name: cuda / rocm)
+        platform = "gpu" if dev.platform in ("gpu", "cuda", "rocm") else dev.platform
+        return _run(args, device, tiny, paper_mat, platform, bandwidth)
 
 
-def _run(args, device: str, tiny: bool, paper_mat: dict) -> int:
-    res = Results(args.out, device)
+def _run(args, device: str, tiny: bool, paper_mat: dict, platform: str = "cpu",
+         bandwidth: dict | None = None) -> int:
+    res = Results(args.out, device, platform, bandwidth)
     res.save()
     t0 = time.perf_counter()
     for part in args.parts:

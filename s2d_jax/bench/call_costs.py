@@ -114,18 +114,23 @@ class CallProbe:
 
 
 def verify_probe(params, cfg, *, window: int, block: int, start: int, max_len: int,
-                 temperature: float = 0.0, calls: int = CALLS) -> CallProbe:
+                 temperature: float = 0.0, calls: int = CALLS,
+                 compiler_options: dict | None = None) -> CallProbe:
     """Cost of one call of a level scoring `block` proposed tokens after a catch-up window
     of `window` tokens (block 0, window 1: one autoregressive step), on a cache of the
     benchmark's length (attention covers the whole buffer, so only the shapes and greedy
-    vs sampling, a different program, matter; not the token values)."""
+    vs sampling, a different program, matter; not the token values). `compiler_options`:
+    XLA flags of this probe's compile alone (e.g. {"xla_gpu_enable_triton_gemm": False})."""
     chain = verify_chain(cfg, window, block, max_len)
     start = max(window, min(start, max_len - block - 1))
     q = jnp.full((1, block, cfg.vocab_size), 1.0 / cfg.vocab_size, jnp.float32)
     dp = DecodeParams.make(chain.spec, [0.0], temperature=temperature)
     args = (params, init_cache(cfg, 1, max_len), jnp.ones((1, max_len), jnp.int32),
             jnp.int32(start), q, jax.random.key(0), dp)
-    return CallProbe(functools.partial(_verify_loop, chain=chain), args, calls)
+    loop = functools.partial(_verify_loop, chain=chain)
+    if compiler_options:
+        loop = _verify_loop.lower(*args, jnp.int32(1), chain=chain).compile(compiler_options)
+    return CallProbe(loop, args, calls)
 
 
 def draft_step_probes(params, cfg, exits: tuple, *, start: int, max_len: int,

@@ -292,6 +292,15 @@ FLAGS: dict[str, Flag] = {
         type=float, default=None, metavar="A",
         help="the S2D paper's per-token acceptance: one more Lemma 3.1 column (none is built "
              "in: the column says n/a)"),
+    "--bandwidth": _flag(
+        type=cli_args.finite_number, default=None, metavar="GB/s",
+        help="memory bandwidth of one device (default: the --device-memory preset's "
+             "datasheet figure, s2d_jax/decode/roofline.py)",
+        variants={"device-check": variant(
+            "it finds the preset from the device's name, not from --device-memory",
+            help="memory bandwidth of the device, for (b)'s bounds (default: the datasheet "
+                 "figure of the preset its name maps to, s2d_jax/decode/roofline.py; an "
+                 "unknown device leaves the bounds out)")}),
     "--out-file": _flag(
         "output", default=None, metavar="FILE",
         help="also write the results to FILE (its format: the description above)"),
