@@ -6,14 +6,10 @@ relayouts, 32 GiB a step: 42.6 ms a step against 18.7 for two tokens), none afte
 With the CUDA plugin installed (no GPU needed) a deviceless compile of a small model
 without grouped queries checks the same on today's code."""
 
-import importlib.util
 import lzma
 import os
-import subprocess
-import sys
 
-import pytest
-
+import cuda_child
 from s2d_jax.decode.round_copies import round_copies, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,20 +52,8 @@ print(summary(round_copy_list(compiled.as_text(), [setup.target_cfg], 1, 2048, m
 '''
 
 
-def _cuda_plugin() -> bool:
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        return False
-
-
-@pytest.mark.skipif(not _cuda_plugin(),
-                    reason="the CUDA plugin (jax-cuda12-plugin, jax-cuda12-pjrt: --no-deps, "
-                           "no GPU needed) is not installed")
+@cuda_child.needs_plugin
 def test_a_deviceless_h100_compile_of_an_ar_round_relayouts_no_cache():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cuda_child.run(CHILD)
     found = eval(proc.stdout.strip().splitlines()[-1])
     assert found["cache"] == (0, 0), found

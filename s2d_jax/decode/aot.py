@@ -212,11 +212,21 @@ def device_param_shapes(cfgs, mesh=None) -> list[tuple]:
     return shapes
 
 
+def sharded_param_shapes(cfgs, mesh=None) -> list[tuple]:
+    """The whole shape of every parameter of `cfgs` that `mesh` splits (what an all-gather
+    of it would rebuild on each device)."""
+    if mesh is None:
+        return []
+    return [a.shape for cfg in cfgs if cfg is not None
+            for a in jax.tree.leaves(abstract_params(cfg, mesh))
+            if a.sharding.shard_shape(a.shape) != a.shape]
+
+
 def round_copy_list(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None):
     """`round_copies.round_copies` of a compiled generation whose models are `cfgs`."""
     from s2d_jax.decode.round_copies import round_copies
     return round_copies(hlo_text, device_cache_shapes(cfgs, batch, max_len, mesh),
-                        device_param_shapes(cfgs, mesh))
+                        device_param_shapes(cfgs, mesh), sharded_param_shapes(cfgs, mesh))
 
 
 def loop_cache_traffic(hlo_text: str, cfgs, batch: int, max_len: int, mesh=None) -> dict:

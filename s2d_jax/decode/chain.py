@@ -13,6 +13,7 @@ n-1 = the target.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 from jax.sharding import Mesh
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 from s2d_jax.config import ModelConfig
 from s2d_jax.decode.state import SpecConfig
 from s2d_jax.errors import S2DError
-from s2d_jax.model import small_matmul
+from s2d_jax.model import layers, small_matmul
 from s2d_jax.model.exits import exits_problem
 from s2d_jax.parallel.mesh import with_auto_axes
 
@@ -78,7 +79,10 @@ class Chain:
         """The same chain over a token / cache buffer of `max_len` slots per row."""
         return dataclasses.replace(self, spec=dataclasses.replace(self.spec, max_len=max_len))
 
+    @contextlib.contextmanager
     def kernel_scope(self):
         """The context the chain's programs are traced in: the small-matmul kernel only
-        where they run unsharded (small_matmul.for_mesh)."""
-        return small_matmul.for_mesh(self.mesh)
+        where they run unsharded (small_matmul.for_mesh), decode layers over static weight
+        slices on GPUs (layers.for_platform)."""
+        with small_matmul.for_mesh(self.mesh), layers.for_platform(self.mesh):
+            yield

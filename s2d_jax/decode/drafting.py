@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.kvcache import KVCache, ordered_after, write_layers
+from s2d_jax.model.block import dense
+from s2d_jax.model.layers import static_decode_slices
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, SpecConfig
@@ -38,8 +40,13 @@ def with_exit_segments(params: dict, exits: tuple[int, ...]) -> dict:
     once. Call it outside the decode loop: a slice inside the loop body is a weight copy
     XLA re-executes every draft step (measured ~20% of a small draft's step on CPU)."""
     bounds = (0,) + tuple(exits)
-    out = {**params, "exit_segments": tuple(model.layer_slice(params, lo, hi)
-                                            for lo, hi in zip(bounds[:-1], bounds[1:]))}
+    out = dict(params)
+    if not static_decode_slices():
+        # (On a GPU the layer ranges read static slices of the stacks in place, layers.py;
+        # sliced segments would be arrays whose layout XLA picks for the loop, and it picked
+        # transposed ones, re-copied for every draft step.)
+        out["exit_segments"] = tuple(model.layer_slice(params, lo, hi)
+                                     for lo, hi in zip(bounds[:-1], bounds[1:]))
     if "head_ids" in params:  # the sub-vocabulary head's rows, gathered once
         out["head_rows"] = model.head_rows(params)
     return out
@@ -72,8 +79,14 @@ def calm_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarr
     # layout: an einsum whose output puts L after B, T made XLA:CPU transpose both weight
     # stacks on every draft step (~0.6 ms of a 3 ms step of the 8-layer draft, measured).
     x = x.reshape(L, B * T, D)
-    k = jnp.einsum("LND,LDM->LNM", x, lp["wk"].reshape(L, D, K * H).astype(dt))
-    v = jnp.einsum("LND,LDM->LNM", x, lp["wv"].reshape(L, D, K * H).astype(dt))
+    if static_decode_slices():  # a GPU program: each layer's GEMMs over static slices
+        k = jnp.stack([dense("ND,DM->NM", x[i], lp["wk"][i].reshape(D, K * H), dt, extra=1)
+                       for i in range(L)])
+        v = jnp.stack([dense("ND,DM->NM", x[i], lp["wv"][i].reshape(D, K * H), dt, extra=2)
+                       for i in range(L)])
+    else:
+        k = jnp.einsum("LND,LDM->LNM", x, lp["wk"].reshape(L, D, K * H).astype(dt))
+        v = jnp.einsum("LND,LDM->LNM", x, lp["wv"].reshape(L, D, K * H).astype(dt))
     k = k.reshape(L, B, T, K, H).transpose(1, 2, 0, 3, 4)
     cos, sin = cos_sin(cfg, positions)
     k = apply_rope(k.reshape(B, T, L * K, H), cos, sin).reshape(B, T, L, K, H)

@@ -13,7 +13,10 @@ conditional's dearest branch), and each transpose (a layout change: XLA:GPU's
   the on-chip VMEM: an async prefetch or eviction, not a second copy in HBM); a plain
   `copy` between memory spaces still duplicates the array (a cache kept in VMEM and copied
   out to HBM every iteration is read and written whole), so it is judged by its shape;
-- "activation": anything else (hidden states, scores, indices: small).
+- "activation": anything else (hidden states, scores, indices: small);
+- "gathered weight": an all-gather whose result is a parameter's whole shape or some of
+  its layers (a sharded weight rebuilt on every device inside the loop: an embedding table
+  gathered whole for each token's row); collectives of activations are not copies.
 Loops count times their trip count (hlo_traffic.loop_trips: XLA's, or read off the loop's
 condition on TPU, or the attention's block loop over the whole cache).
 """
@@ -29,7 +32,7 @@ from s2d_jax.decode.hlo_traffic import loop_trips
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
-KINDS = ("cache", "weight", "activation", "memory space")
+KINDS = ("cache", "weight", "activation", "memory space", "gathered weight")
 
 
 @dataclasses.dataclass
@@ -105,25 +108,44 @@ def classify(mod: Module, comp: str, ins, cache_shapes, weight_shapes) -> str:
     return "activation"
 
 
-def _walk(mod: Module, comp: str, times: int, cache_shapes, weight_shapes, out: list):
+def _gathered(ins, whole_shapes):
+    """(dims, dtype) of an all-gather's result when it is shaped like a whole parameter or
+    some of its layers, else None (an all-gather-start's type is (operand, result))."""
+    if ins.opcode not in ("all-gather", "all-gather-start"):
+        return None
+    arrays = _ARRAY.findall(ins.type)
+    if not arrays:
+        return None
+    dtype, dims = arrays[-1][0], tuple(int(d) for d in arrays[-1][1].split(",") if d)
+    return (dims, dtype) if weight_like(dims, whole_shapes) else None
+
+
+def _walk(mod: Module, comp: str, times: int, cache_shapes, weight_shapes, out: list,
+          whole_shapes=()):
     for ins in mod.instrs[comp]:
         called = _callees(ins.line)
+        gathered = _gathered(ins, whole_shapes)
         if ins.opcode == "while":
             n = loop_trips(mod, comp, ins, cache_shapes) or 1
             for c in called:
-                _walk(mod, c, times * n, cache_shapes, weight_shapes, out)
+                _walk(mod, c, times * n, cache_shapes, weight_shapes, out, whole_shapes)
+        elif gathered:
+            dims, dtype = gathered
+            out.append(Copy("gathered weight", comp, dims,
+                            type_bytes(f"{dtype}[{','.join(map(str, dims))}]"), times,
+                            ins.line.strip()[:200]))
         elif ins.opcode == "conditional":
             branches = []
             for c in called:
                 found = []
-                _walk(mod, c, times, cache_shapes, weight_shapes, found)
+                _walk(mod, c, times, cache_shapes, weight_shapes, found, whole_shapes)
                 branches.append(found)
             # the dearest branch by cache copies, then by bytes: a round's worst case
             out += max(branches, key=lambda f: (sum(x.per_round for x in f if x.kind == "cache"),
                                                 sum(x.bytes * x.per_round for x in f)))
         elif ins.opcode == "call":
             for c in called:
-                _walk(mod, c, times, cache_shapes, weight_shapes, out)
+                _walk(mod, c, times, cache_shapes, weight_shapes, out, whole_shapes)
         elif ins.opcode in ("copy", "copy-start") or relayout(mod, ins):
             dims, _ = _first_array(ins.type)
             kind = classify(mod, comp, ins, cache_shapes, weight_shapes)
@@ -145,15 +167,16 @@ def relayout(mod: Module, ins) -> bool:
                for c in _callees(ins.line) for i in mod.instrs.get(c, []))
 
 
-def round_copies(hlo: str, cache_shapes, weight_shapes=()) -> list[Copy]:
+def round_copies(hlo: str, cache_shapes, weight_shapes=(), whole_shapes=()) -> list[Copy]:
     """Every copy / copy-start one round of the compiled generation's decode loop runs
-    (outside fusions: a copy inside a fusion is part of that kernel's output), classified;
-    `cache_shapes`: per-device (L, B, K, S, H) of each cache, `weight_shapes`: per-device
-    shapes of every parameter."""
+    (outside fusions: a copy inside a fusion is part of that kernel's output), and every
+    all-gather of a parameter, classified; `cache_shapes`: per-device (L, B, K, S, H) of
+    each cache, `weight_shapes`: per-device shapes of every parameter, `whole_shapes`: their
+    unsharded shapes (only those that are sharded: a replicated one is never gathered)."""
     mod = Module(hlo)
     out: list[Copy] = []
     _walk(mod, decode_loop_body(mod.comps), 1, [tuple(s) for s in cache_shapes],
-          [tuple(s) for s in weight_shapes], out)
+          [tuple(s) for s in weight_shapes], out, [tuple(s) for s in whole_shapes])
     return out
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
+from s2d_jax.model.decode_scope import few_rows, gemm_rows
 from s2d_jax.model.params import LAYER_PARAMS
 from s2d_jax.model.rope import apply_rope
 
@@ -27,18 +28,23 @@ def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def dense(eq: str, x: jnp.ndarray, w, dt, kernel: bool = False) -> jnp.ndarray:
+def dense(eq: str, x: jnp.ndarray, w, dt, kernel: bool = False, extra: int = 1) -> jnp.ndarray:
     """einsum(eq, x, w) contracting x's trailing axes with w's leading ones. `w` is an
     array, a small_matmul.StackedWeight (one layer of the stack) or a
     quantize.QuantizedWeight: weight-only ones dequantize (astype), w8a8 ones run an int8
     matmul on the fly-quantized x. `kernel` (static): the caller decided this is a
-    decode-path call the small-matmul kernel serves (`small_matmul.usable`)."""
+    decode-path call the small-matmul kernel serves (`small_matmul.usable`). `extra`: the
+    rows a GPU decode program appends to a few-row x (decode_scope.gemm_rows; projections
+    of one input each get their own count)."""
     if kernel and small_matmul.serves(w):
         x_spec, w_spec = eq.split("->")[0].split(",")
         contract = sum(c in x_spec for c in w_spec)
         return small_matmul.matmul(x, w, "kn", contract).astype(dt)
     if getattr(w, "act_bits", 0):
         return w.matmul(x).astype(dt)
+    x_spec, w_spec = eq.split("->")[0].split(",")
+    if few_rows(x, w, sum(c in x_spec for c in w_spec)):
+        return gemm_rows(eq, x, w.astype(dt), extra)
     return jnp.einsum(eq, x, w.astype(dt))
 
 
@@ -52,8 +58,7 @@ def out_projection(attn: jnp.ndarray, wo, dt, kernel: bool) -> jnp.ndarray:
         wo = wo.value
     if isinstance(wo, jax.Array):
         B, T, N, H = attn.shape
-        return jnp.einsum("BTE,ED->BTD", attn.reshape(B, T, N * H),
-                          wo.reshape(N * H, -1).astype(dt))
+        return dense("BTE,ED->BTD", attn.reshape(B, T, N * H), wo.reshape(N * H, -1), dt)
     return dense("BTNH,NHD->BTD", attn, wo, dt)
 
 
@@ -65,14 +70,14 @@ def block(w: dict, cfg: ModelConfig, h, cos, sin, attend, kernel: bool = False):
     dt = h.dtype
     mm = functools.partial(dense, dt=dt, kernel=kernel)
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    q = mm("BTD,DNH->BTNH", x, w["wq"])
-    k = mm("BTD,DKH->BTKH", x, w["wk"])
-    v = mm("BTD,DKH->BTKH", x, w["wv"])
+    q = mm("BTD,DNH->BTNH", x, w["wq"], extra=1)
+    k = mm("BTD,DKH->BTKH", x, w["wk"], extra=2)
+    v = mm("BTD,DKH->BTKH", x, w["wv"], extra=3)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, extra = attend(q, k, v)
     h = h + out_projection(attn, w["wo"], dt, kernel)
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-    gate = mm("BTD,DF->BTF", x, w["w_gate"])
-    up = mm("BTD,DF->BTF", x, w["w_up"])
+    gate = mm("BTD,DF->BTF", x, w["w_gate"], extra=1)
+    up = mm("BTD,DF->BTF", x, w["w_up"], extra=2)
     h = h + mm("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])
     return h, extra

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
+from s2d_jax.model.decode_scope import (decode_unrolled, for_platform,  # noqa: F401
+                                        static_decode_slices)
 from s2d_jax.model import attention as attention_mod
 from s2d_jax.model.attention import attention, cache_attention, causal_mask
 from s2d_jax.model.block import MATRIX_NAMES, block
@@ -127,17 +129,18 @@ def decode_layers(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp
             return cache_attention(q, kc, vc, li, positions, cfg, attention_block, (k, v)), (k, v)
 
         return _cache_scan(params, cfg, h, positions, start, end, cache, layers, read_only,
-                           carry_cache=False)
+                           carry_cache=False, decode=True)
 
     def attend(q, k, v, kc, vc, li):
         kc, vc = write_slots(kc, vc, li, positions, k, v)
         return cache_attention(q, kc, vc, li, positions, cfg, attention_block), (kc, vc)
 
-    return _cache_scan(params, cfg, h, positions, start, end, cache, layers, attend)
+    return _cache_scan(params, cfg, h, positions, start, end, cache, layers, attend,
+                       decode=True)
 
 
 def _cache_scan(params, cfg, h, positions, start, end, cache, layers, attend,
-                carry_cache: bool = True):
+                carry_cache: bool = True, decode: bool = False):
     """Scan the blocks of layers [start, end) with a cache. `attend(q, k, v, kc, vc, li)
     -> (out, extra)` sees cache layer li of the buffers kc, vc. carry_cache: the buffers
     are the scan's carry, `extra` their new value -> (h, cache with them); otherwise they
@@ -145,7 +148,7 @@ def _cache_scan(params, cfg, h, positions, start, end, cache, layers, attend,
     cos, sin = cos_sin(cfg, positions)
     kernel = small_matmul.usable(positions.size)
     xs, stacked = _scanned_layers(params, layers, start, end, kernel)
-    unroll = unroll_layers(cfg, end - start)
+    unroll = unroll_layers(cfg, end - start) or (decode and static_decode_slices())
 
     def run_block(h, x, kc, vc):
         lp, li, si = x  # the matrices the kernel reads in place, as layer si of their stack

@@ -32,7 +32,15 @@ from s2d_jax.model.params import param_shapes  # noqa: F401  (callers use model.
 
 
 def embed_tokens(params: dict, cfg: ModelConfig, tokens: jnp.ndarray) -> jnp.ndarray:
-    return params["embed"][tokens].astype(jnp.dtype(cfg.dtype))
+    table = params["embed"]
+    if tokens.size == 1:
+        # One index is a dynamic-slice to XLA, which the SPMD partitioner serves by
+        # all-gathering a vocab-sharded table onto every device (a 70B's whole 500 MiB table
+        # for each token of a batch-1 step, on the H100 compiler); two indices stay a
+        # gather, partitioned as each device's masked rows and an all-reduce of one row.
+        twice = jnp.concatenate([tokens.reshape(1)] * 2)
+        return table[twice][:1].reshape(tokens.shape + table.shape[1:]).astype(cfg.dtype)
+    return table[tokens].astype(jnp.dtype(cfg.dtype))
 
 
 def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray, decode: bool = False) -> jnp.ndarray:
