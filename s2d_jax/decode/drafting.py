@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from s2d_jax.model import transformer as model
 from s2d_jax.config import ModelConfig
 from s2d_jax.model.kvcache import KVCache, ordered_after, write_layers
-from s2d_jax.model.block import dense
+from s2d_jax.model.decode_scope import gemm_rows
 from s2d_jax.model.layers import static_decode_slices
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
@@ -79,10 +79,13 @@ def calm_kv(params: dict, cfg: ModelConfig, h: jnp.ndarray, positions: jnp.ndarr
     # layout: an einsum whose output puts L after B, T made XLA:CPU transpose both weight
     # stacks on every draft step (~0.6 ms of a 3 ms step of the 8-layer draft, measured).
     x = x.reshape(L, B * T, D)
-    if static_decode_slices():  # a GPU program: each layer's GEMMs over static slices
-        k = jnp.stack([dense("ND,DM->NM", x[i], lp["wk"][i].reshape(D, K * H), dt, extra=1)
+    if static_decode_slices():
+        # A GPU program: each layer's GEMMs over static slices, its rows padded (gemm_rows:
+        # the batched form read a transposed copy of the layers; unpadded, one row of a 7B
+        # draft's fill crashed XLA:GPU's compiler, "Reshape input and output shapes")
+        k = jnp.stack([gemm_rows("ND,DM->NM", x[i], lp["wk"][i].reshape(D, K * H).astype(dt), 1)
                        for i in range(L)])
-        v = jnp.stack([dense("ND,DM->NM", x[i], lp["wv"][i].reshape(D, K * H), dt, extra=2)
+        v = jnp.stack([gemm_rows("ND,DM->NM", x[i], lp["wv"][i].reshape(D, K * H).astype(dt), 2)
                        for i in range(L)])
     else:
         k = jnp.einsum("LND,LDM->LNM", x, lp["wk"].reshape(L, D, K * H).astype(dt))
