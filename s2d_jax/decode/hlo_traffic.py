@@ -319,3 +319,11 @@ def round_traffic(hlo: str, cache_shapes) -> Traffic:
     out.on_chip = sum(nbytes(dt, dims) for dt, dims, space in arrays_of(carried)
                       if space != 0 and dims)
     return out
+
+
+def program_traffic(hlo: str, cache_shapes) -> Traffic:
+    """Per-device bytes a whole compiled program moves: its ENTRY computation walked as
+    `round_traffic` walks the round loop's body (round_cost.py's one-round program, set
+    beside the loop's round). No `on_chip`: a program's inputs and outputs lie in HBM."""
+    mod = Module(hlo)
+    return computation_traffic(mod, "__entry__", cache_shapes)

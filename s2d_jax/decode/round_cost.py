@@ -8,6 +8,18 @@ attention reading the whole cache as one block (the round at the end of the cont
 the roofline counts it): every op of the round then appears once in the program. On TPU the
 cost analysis holds the compiler's `optimal_seconds` (its estimate of the round's time)
 beside `bytes accessed` and `flops`; XLA:CPU gives bytes and flops only.
+
+The program copies nothing the loop's round does not: the state is donated (the loop's
+while body carries it, so its caches are updated in place; undonated, the program's
+outputs were new buffers and it copied both caches whole), the weights come in the layouts
+the compiler picks for them (the loop lays a weight out anew once, before it: the TPU's
+`wq` for the heads-major order its matmuls read; in a program of its own that was a copy
+of the whole stack per call), and on TPU multi-output fusion is off (TPU_ROUND_OPTIONS: it
+merged the unrolled layers' slices of `wo` into copies of the stack). At batch 8 the 70B's
+AR one-round program on v5p:2x2x2 walked 24.7 GiB with all three (2.5 GiB of cache
+copies, 2.5 of `wq`, 2.2 of `wo`) for the loop's round's 17.6. `one_round_bytes` walks the
+program as hlo_traffic walks the loop's round; `infer.aot --roofline` prints both
+(tests/test_tpu_aot.py keeps them within 5%).
 """
 
 from __future__ import annotations
@@ -21,6 +33,15 @@ from s2d_jax.decode.drafting import with_exit_segments
 from s2d_jax.decode.round import one_round
 from s2d_jax.decode.state import DecodeParams
 from s2d_jax.model import attention, layers
+
+
+# The TPU compiler's multi-output fusion merges sibling fusions of one operand. Unrolled,
+# each layer's static slice of a weight stack is such a sibling: it merged the 70B's 80
+# slices of `wo` into 5 fusions that copy the whole stack out, mostly into HBM (2.2 GiB a
+# round: the one-round program walked 1.13x the loop's round at batch 1), where the loop
+# slices one layer at a time into VMEM. Without it the slices are async slices into VMEM
+# as in the loop (1.00x); its estimate moved by 0.3% (AR, batch 1: 9.157 -> 9.130 ms).
+TPU_ROUND_OPTIONS = {"xla_jf_enable_multi_output_fusion": False}
 
 
 @contextlib.contextmanager
@@ -62,6 +83,18 @@ def _segments_like(params, exits):
     return out
 
 
+def _in_shardings(mesh, params, *rest):
+    """The one-round program's in-shardings: `params` (draft, target) as placed, in the
+    layouts the compiler picks (AUTO: the loop lays a weight out for its body once, before
+    it, e.g. the TPU's wq in the heads-major order its matmul reads); `rest` (state, decode
+    params) as placed, replicated where not placed."""
+    from jax.experimental.layout import Format, Layout
+    from jax.sharding import NamedSharding, PartitionSpec
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return (jax.tree.map(lambda a: Format(Layout.AUTO, a.sharding), params),
+            *(jax.tree.map(lambda a: a.sharding or replicated, r) for r in rest))
+
+
 def compile_round(setup, mesh=None, compiler_options=None):
     """(compiled one round, compile seconds) of the generation `setup` (aot.GenerateSetup)."""
     from s2d_jax.decode import engine
@@ -81,11 +114,33 @@ def compile_round(setup, mesh=None, compiler_options=None):
     if s.spec.proposer.needs_draft:  # its exits' segments, as the engine slices them
         draft = _segments_like(draft, s.spec.exits)
     with whole_round_program(s.spec.max_len), chain.kernel_scope():
-        fn = jax.jit(lambda st, d, t, p: one_round(st, params=(d, t), dp=p, chain=chain))
-        lowered = fn.lower(state, draft, target, dp)
+        fn = jax.jit(lambda params, st, p: one_round(st, params=params, dp=p, chain=chain),
+                     in_shardings=None if mesh is None else _in_shardings(
+                         mesh, (draft, target), state, dp),
+                     donate_argnums=1)  # the state, as the loop's while body carries it
+        lowered = fn.lower((draft, target), state, dp)
+    on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
+    options = {**(TPU_ROUND_OPTIONS if on_tpu else {}), **(compiler_options or {})}
     t0 = time.perf_counter()
-    compiled = lowered.compile(compiler_options or {})
+    compiled = lowered.compile(options)
     return compiled, time.perf_counter() - t0
+
+
+def one_round_bytes(compiled, setup, mesh=None):
+    """hlo_traffic.program_traffic of a compiled one-round program (`compile_round`): the
+    HBM bytes it moves per device, to set beside the loop's round (aot.round_bytes)."""
+    from s2d_jax.decode.aot import device_cache_shapes
+    from s2d_jax.decode.hlo_traffic import program_traffic
+    shapes = device_cache_shapes([setup.target_cfg, setup.draft_cfg], setup.batch,
+                                 setup.spec.max_len, mesh)
+    return program_traffic(compiled.as_text(), shapes)
+
+
+def walk_ratio(one, loop) -> tuple[float, float]:
+    """The one-round program's walk (`one_round_bytes`) over the loop's round
+    (aot.round_bytes), cheapest and dearest branches each: what the loop keeps in VMEM
+    from round to round counted on its side (the one-round program reads it from HBM)."""
+    return one.lo / (loop.lo + loop.on_chip), one.hi / (loop.hi + loop.on_chip)
 
 
 def round_cost(compiled) -> dict:

@@ -15,7 +15,7 @@ from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_bytes, rou
 from s2d_jax.decode.methods import BASELINE, PAPER_METHODS, proposer
 from s2d_jax.decode.roofline import expected_tokens, lemma_speedup, minimum_round_bytes
 from s2d_jax.decode.round_copies import summary
-from s2d_jax.decode.round_cost import compile_round, round_cost
+from s2d_jax.decode.round_cost import compile_round, one_round_bytes, round_cost, walk_ratio
 
 ROOFLINE_METHODS = PAPER_METHODS  # what the per-round reports compare (SD: its deepest exit)
 
@@ -27,7 +27,8 @@ def copy_line(method: str, copies) -> str:
     return (f"    {method:<6} cache {s['cache'][0]} ({s['cache'][1] / GIB:.3f} GiB), weight "
             f"{s['weight'][0]} ({s['weight'][1] / GIB:.3f} GiB), activation "
             f"{s['activation'][0]} ({s['activation'][1] / 2**20:.2f} MiB), memory-space "
-            f"moves {s['memory space'][0]} ({s['memory space'][1] / GIB:.3f} GiB)")
+            f"moves {s['memory space'][0]} ({s['memory space'][1] / GIB:.3f} GiB), gathered "
+            f"weights {s['gathered weight'][0]} ({s['gathered weight'][1] / GIB:.3f} GiB)")
 
 
 def acceptance_columns(measured, paper: float | None) -> dict:
@@ -51,6 +52,17 @@ def _lemma_cell(costs, setups, method, a) -> str:
     return " / ".join(parts)
 
 
+def _one_round_walk(one, loop) -> str:
+    """The one-round program's walk (GiB) and its ratio to the loop's round ("" without)."""
+    if one is None:
+        return ""
+    rlo, rhi = walk_ratio(one, loop)
+    gib = (f"{one.hi / GIB:.3f}" if abs(one.hi - one.lo) < 5e-4 * GIB
+           else f"{one.lo / GIB:.3f}..{one.hi / GIB:.3f}")
+    ratio = f"{rhi:.3f}x" if abs(rhi - rlo) < 5e-4 else f"{rlo:.3f}..{rhi:.3f}x"
+    return f", one-round program's walk {gib} GiB ({ratio} the loop's)"
+
+
 def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device: str,
                     acceptances, paper_acceptance: float | None = None) -> list[str]:
     """`setups`: method -> GenerateSetup (bf16 as the TPU runs it); `compiled_first`:
@@ -68,15 +80,18 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
         del compiled
         if mesh.devices.flat[0].platform == "tpu":
             one, seconds = compile_round(setup, mesh)
-            cost = {**round_cost(one), "compile": seconds}
+            cost = {**round_cost(one), "compile": seconds,
+                    "one walk": one_round_bytes(one, setup, mesh)}
         else:  # XLA:GPU's cost analysis has no time estimate: skip the one-round compile
-            cost = {"seconds": None, "bytes": None, "flops": None, "compile": 0.0}
+            cost = {"seconds": None, "bytes": None, "flops": None, "compile": 0.0,
+                    "one walk": None}
         costs[method] = {**cost, "minimum": minimum_round_bytes(setup, mesh), "walk": walk}
     lines = ["  copies per round of the decode loop, by what they move (the accelerator's "
              "program; memory-space moves are prefetches to on-chip memory, not copies in HBM):"]
     lines += [copy_line(m, copies[m]) for m in setups]
     lines.append(f"  one round: the TPU compiler's estimate (cost analysis of a one-round "
-                 f"program, layers unrolled, the whole cache read), the HBM bytes of the "
+                 f"program, layers unrolled, the whole cache read; its own HLO walk beside the "
+                 f"loop's, VMEM counted), the HBM bytes of the "
                  f"compiled round loop (HLO walk) and the roofline bound (minimum bytes), "
                  f"both over {bandwidth / 1e12:.3g} TB/s ({device}; the bound is a LOWER BOUND):")
     for method, c in costs.items():
@@ -88,7 +103,8 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
         walk = f"{wlo:.3f}" if abs(whi - wlo) < 5e-4 else f"{wlo:.3f}..{whi:.3f}"
         lines.append(f"    {method:<6} compiler {est:>10}   walk {walk} ms   bound {bound} ms   "
                      f"(bytes: compiler's {(c['bytes'] or 0) / GIB:.3f} GiB, walk's "
-                     f"{w.hi / GIB:.3f} GiB + {w.on_chip / GIB:.3f} GiB kept in VMEM, minimum "
+                     f"{w.hi / GIB:.3f} GiB + {w.on_chip / GIB:.3f} GiB kept in VMEM"
+                     f"{_one_round_walk(c['one walk'], w)}, minimum "
                      f"{c['minimum'][1] / GIB:.3f} GiB; flops {(c['flops'] or 0) / 1e9:.1f} G; "
                      f"one-round compile {c['compile']:.1f} s)")
     if BASELINE in costs and len(costs) > 1:
