@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from s2d_jax.model import layers
+from s2d_jax.model import decode_scope, layers
 from s2d_jax.model import transformer as model
 from s2d_jax.model.kvcache import init_cache
 from test_engine import CFG, PROMPTS, make_decoder, reference, target_params
@@ -21,9 +21,11 @@ NEW = 12
 
 
 def _mesh_of(platform: str):
-    """A stand-in for a Mesh: for_platform reads only its first device's platform."""
+    """A stand-in for a Mesh: for_platform reads its first device's platform and the
+    tensor axis's size."""
     device = types.SimpleNamespace(platform=platform)
-    return types.SimpleNamespace(devices=np.array([device], dtype=object))
+    return types.SimpleNamespace(devices=np.array([device], dtype=object).reshape(1, 1, 1),
+                                 axis_names=("data", "fsdp", "tensor"))
 
 
 def test_the_scope_follows_the_chains_devices():
@@ -34,6 +36,24 @@ def test_the_scope_follows_the_chains_devices():
     with layers.decode_unrolled(True), layers.for_platform(None):
         assert layers.static_decode_slices()  # no mesh: the scope around the call decides
     assert not layers.static_decode_slices()
+
+
+def test_few_rows_are_padded_only_for_matrices_small_on_each_device():
+    """decode_scope.few_rows: a 7B MLP matrix (45M elements) stays a plain GEMM on one GPU
+    and is padded where 8 GPUs split it (5.6M each, under XLA:GPU's 10M strength-reduction
+    bound); a prefill's many rows never are; the CPU never pads."""
+    x1, x_many = jnp.zeros((1, 1, 4096)), jnp.zeros((1, 512, 4096))
+    w = jax.ShapeDtypeStruct((4096, 11008), jnp.bfloat16)
+    assert not decode_scope.few_rows(x1, w)
+    one, eight = _mesh_of("gpu"), _mesh_of("gpu")
+    eight.devices = np.array([eight.devices.flat[0]] * 8, dtype=object).reshape(1, 1, 8)
+    with layers.for_platform(one):
+        assert not decode_scope.few_rows(x1, w)
+    with layers.for_platform(eight):
+        assert decode_scope.few_rows(x1, w) and not decode_scope.few_rows(x_many, w)
+    out = decode_scope.gemm_rows("BTD,DF->BTF", jnp.arange(8.0).reshape(1, 1, 8),
+                                 jnp.eye(8)[:, :3], 2)
+    np.testing.assert_array_equal(out, np.arange(3.0).reshape(1, 1, 3))
 
 
 def _decode_step_hlo(params, cache, h, pos):
