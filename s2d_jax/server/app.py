@@ -82,21 +82,10 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
             return _error(e, headers={"Connection": "close"} if e.status == 413 else None)
         except ClientDisconnect:
             return _left(http, "while sending its request")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-
-        def sink(event):  # on the worker's thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the loop is gone (shutting down)
-                pass
-        try:
-            job = worker.submit(request, sink)
-        except QueueFull as e:
-            return _error(oa.ApiError(429, str(e), code="queue_full", kind="rate_limit_error"),
-                          headers={"Retry-After": str(RETRY_AFTER_S)})
-        except S2DError as e:
-            return _error(oa.ApiError(400, str(e), param="prompt"))
+        submitted = _submit(worker, request)
+        if not isinstance(submitted, tuple):
+            return submitted  # refused: its error response
+        job, events = submitted
         reply = oa.Reply(chat, model, method)
         if opts["stream"]:
             return StreamingResponse(_stream(http, job, events, reply, opts["include_usage"]),
@@ -113,6 +102,26 @@ def make_app(worker: Worker, *, model: str, tokenizer, template: str,
         return await complete(http, False)
 
     return app
+
+
+def _submit(worker: Worker, request):
+    """(job, the queue its events arrive on) for `request`, or the error response of a full
+    wait list (429) or a request the engine refuses (400). Call on the event loop."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def sink(event):  # on the worker's thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is gone (shutting down)
+            pass
+    try:
+        return worker.submit(request, sink), events
+    except QueueFull as e:
+        return _error(oa.ApiError(429, str(e), code="queue_full", kind="rate_limit_error"),
+                      headers={"Retry-After": str(RETRY_AFTER_S)})
+    except S2DError as e:
+        return _error(oa.ApiError(400, str(e), param="prompt"))
 
 
 def _answer_errors_as_openai(app: FastAPI) -> None:
