@@ -111,12 +111,13 @@ def _check_args(args):
             raise S2DError(f"{flag} must be >= 1, got {v}")
     kinds = [k.strip() for k in args.methods.split(",") if k.strip()]
     from s2d_jax.bench.runner import METHOD_KINDS, kind_method
-    from s2d_jax.decode.methods import proposer
+    from s2d_jax.decode.methods import is_auto, proposer
     bad = [k for k in kinds if k not in METHOD_KINDS]
     if bad or not kinds:
         raise S2DError(f"unknown method {bad[0] if bad else args.methods!r}; use some of "
                        f"{', '.join(METHOD_KINDS)}")
-    drafted = [k for k in METHOD_KINDS if proposer(kind_method(k)).needs_draft]
+    # auto needs a draft only where its choice does (without one it picks a method without)
+    drafted = [k for k in METHOD_KINDS if not is_auto(k) and proposer(kind_method(k)).needs_draft]
     if args.draft is None and (args.s2d_setting or set(drafted) & set(kinds)):
         raise S2DError(f"methods {' / '.join(drafted)} and --s2d-setting need --draft")
     from s2d_jax.bench.runner import parse_s2d_setting

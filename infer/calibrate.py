@@ -12,7 +12,10 @@ the best multi-exit one per gamma and the paper's 0.5/.../0 are measured for rea
 (interleaved with AR, median of --repeats passes per prompt); the --finalists fastest
 (and the fastest single exit) are measured again, and the setting closest to the default
 (one exit, gamma 4) within --min-gain of the fastest there is written, with its speedup and the gain over 0.5/.../0. Draft stops (--stops) are then
-tried on it, kept only if they beat it by --min-gain twice. The default prompts
+tried on it, kept only if they beat it by --min-gain twice. Last, AR, lookup, SD at each
+exit, S2D and the ladder run side by side and the fastest exact one (or a method it
+contains that it does not beat per prompt) is written as the target's default, which --method auto decodes with (python -m infer.calibrate_lookup
+calibrates the lookup rungs and ranks again). The default prompts
 (data/demo_calibration.jsonl) are a dev set of held-out speeches, disjoint from the
 benchmark's data/demo_questions.jsonl.
 """
@@ -126,8 +129,14 @@ def main(argv=None):
           f"{best['gamma']} draft stop {best.get('stop_threshold', 0.0)}: "
           f"{best['measured_speedup']:.2f}x vs AR, {result.gain_over_paper:.2f}x the speedup "
           f"of 0.5/.../0 ({paper['measured_speedup']:.2f}x)")
+    from s2d_jax.calibration.method_ranking import describe, rank_methods
+    from s2d_jax.decode.auto_method import SECTION
+    # the methods ranked at their settings (lookup, ladder: the defaults until
+    # infer.calibrate_lookup calibrates them and ranks again): --method auto's choice
+    record = {**result.record, SECTION: rank_methods(result.calibration, result.record)}
+    print(f"{name}: {describe(record[SECTION])}")
     if not args.dry_run:
-        print(f"wrote {write_serving_config(path, result.record)}")
+        print(f"wrote {write_serving_config(path, record)}")
     return 0
 
 

@@ -11,6 +11,12 @@ decode loop; the --top best predicted of each method are measured against AR (in
 median of --repeats passes) and the fastest exact one is written
 (s2d_jax/calibration/lookup_calibration.py). The methods lookup-cal / ladder-cal of infer.bench
 and --method lookup / ladder of infer.generate then use it.
+
+Last, every method (AR, lookup, SD at each exit, S2D, the ladder) runs at its calibrated
+setting on the same prompts, side by side, and the fastest exact one (or a method it
+contains that it does not beat per prompt) is written as the target's default ("default"), which --method auto (the default of generate, chat, serve and
+the API) decodes with (s2d_jax/calibration/method_ranking.py). --rank-only does only that,
+with the stored settings.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def parse_args(argv):
         add(ap, name, CMD)
     ap.add_argument("--top", type=int, default=3,
                     help="best predicted settings of each method measured against AR")
+    ap.add_argument("--rank-only", action="store_true",
+                    help="keep the stored lookup and ladder settings; only rank the methods "
+                    "at their stored settings and write the winner as the target's default")
     for name in ("--repeats", "--cost-samples", "--chat-template", "--dtype", "--dry-run"):
         add(ap, name, CMD)
     return ap.parse_args(argv)
@@ -65,21 +74,31 @@ def main(argv=None):
                             gammas=tuple(gammas), repeats=args.repeats,
                             cost_samples=args.cost_samples, chat_template=args.chat_template,
                             dtype=args.dtype)
-    found = calibrate_lookup(Calibration(opts, name, path), top=args.top)
+    cal = Calibration(opts, name, path)
+    from s2d_jax.readers import read_text
+    record = json.loads(read_text(serving_config_path(path), "serving config"))
+    if not args.rank_only:
+        _add_lookup_sections(name, record, calibrate_lookup(cal, top=args.top))
+    from s2d_jax.calibration.method_ranking import describe, rank_methods
+    from s2d_jax.decode.auto_method import SECTION
+    record[SECTION] = rank_methods(cal, record)  # the settings just written, or stored
+    print(f"{name}: {describe(record[SECTION])}")
+    if not args.dry_run:
+        print(f"wrote {write_serving_config(path, record)}")
+    return 0
+
+
+def _add_lookup_sections(name: str, record: dict, found: dict) -> None:
+    """The lookup calibration's measured rows printed, its sections put in the record."""
     for row in found["rows"]:
         print(f"{name}: {row['setting']}: predicted {row['predicted_speedup']:.2f}x, measured "
               f"{row['measured_speedup']:.2f}x vs AR, MAT {row['measured_mat']:.2f}"
               f"{'' if row['exact'] else ' (NOT exact: dropped)'}")
-    from s2d_jax.readers import read_text
-    record = json.loads(read_text(serving_config_path(path), "serving config"))
     from s2d_jax.decode.methods import methods_where
     for method in methods_where(lookup=True):
         if method in found:
             record[method] = found[method]
             print(f"{name}: {method}: {json.dumps(found[method])}")
-    if not args.dry_run:
-        print(f"wrote {write_serving_config(path, record)}")
-    return 0
 
 
 if __name__ == "__main__":

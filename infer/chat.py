@@ -1,7 +1,7 @@
 """A multi-turn conversation in the terminal, each answer streamed as it is decoded.
 
-    python -m infer.chat --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct --draft models/smollm2-draft
-    python -m infer.chat --target ... --method ar --script turns.txt --out-file answers.jsonl
+    s2d chat --target smollm2 --draft smollm2-draft
+    s2d chat --target smollm2 --method ar --script turns.txt --out-file answers.jsonl
 
 Type a message and press Enter (arrow keys edit the line and recall earlier ones); commands:
 /reset (forget the conversation), /stats (this conversation's totals), /help, /quit (or
@@ -10,7 +10,9 @@ shown); Ctrl-C at the prompt, twice, ends the chat. --script FILE reads the turn
 commands) from a file instead, one per line; --out-file FILE also writes one JSON line per
 answered turn. Each turn re-encodes the whole conversation in
 the tokenizer's chat template (the engine keeps no K/V between generations; see
-s2d_jax/decode/chat.py); a statistics line follows each answer on stderr.
+s2d_jax/decode/chat.py), padded to a width the turns share (512 tokens, then powers of
+two), so the second turn runs the first one's compiled programs; a statistics line
+follows each answer on stderr.
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ def parse_args(argv):
 
 def check_args(args) -> list[str] | None:
     """Every check that needs no model; returns the script's lines (None: interactive)."""
-    if proposer(args.method).needs_draft and args.draft is None:
-        raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
+    from s2d_jax.decode.auto_method import cli_choice  # auto: the calibrated choice
+    args.method, args.decoding, _ = cli_choice(args.method, [args.target],
+                                               args.draft is not None)
+    if proposer(args.decoding).needs_draft and args.draft is None:
+        raise S2DError(f"method {args.decoding} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
-    if proposer(args.method).self_draft and args.exit is None:
-        raise S2DError(f"method {args.method} needs --exit (how many target layers draft)")
+    if proposer(args.decoding).self_draft and args.exit is None:
+        raise S2DError(f"method {args.decoding} needs --exit (how many target layers draft)")
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_at_least(args, {"max_new_tokens": 1, "gamma": 1, "exit": 1})
     if args.script is None:

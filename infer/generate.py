@@ -1,9 +1,10 @@
 """Generate with S2D (or the ar / sd / self baselines) from the command line.
 
-    python -m infer.generate --target vicuna=ckpt/vicuna --draft ckpt/draft \\
-        --method s2d --thresholds 0.6,0.5,0 --gamma 4 --prompt "Hello"
-    python -m infer.generate --target ckpt/vicuna --method ar \\
-        --questions spec_bench_question.jsonl --out-file out.jsonl
+    s2d generate --target smollm2 --draft smollm2-draft --prompt "Why is the sky blue?"
+    s2d generate --target smollm2 --draft smollm2-draft --method s2d --thresholds 0.6,0 \\
+        --exits 2,4 --gamma 4 --prompt "Hello"
+    s2d generate --target smollm2 --method ar --questions data/demo_questions.jsonl \\
+        --out-file out.jsonl
 
 Each line of --out-file (one JSON line per answered turn): question_id, category, target,
 turn, token_ids, text and statistics. A --questions line with several turns is a
@@ -73,12 +74,18 @@ def _add_chain_args(ap) -> None:
 
 
 def check_args(args) -> None:
-    """The checks that need no model, run before JAX starts or any file is read."""
-    if proposer(args.method).needs_draft and args.draft is None:
-        raise S2DError(f"method {args.method} needs --draft PATH (a draft model); pass one, "
+    """The checks that need no model, run before JAX starts: args.decoding is the method
+    decoded with (auto: the targets' calibrated choice, decode/auto_method.py)."""
+    from s2d_jax.decode.auto_method import cli_choice
+    args.method, args.decoding, note = cli_choice(
+        args.method, parse_targets(args.target).values(), args.draft is not None)
+    if note:
+        print(note, file=sys.stderr)
+    if proposer(args.decoding).needs_draft and args.draft is None:
+        raise S2DError(f"method {args.decoding} needs --draft PATH (a draft model); pass one, "
                        f"or use --method ar")
-    if proposer(args.method).self_draft and args.exit is None:
-        raise S2DError(f"method {args.method} needs --exit (how many target layers draft)")
+    if proposer(args.decoding).self_draft and args.exit is None:
+        raise S2DError(f"method {args.decoding} needs --exit (how many target layers draft)")
 
 
 def read_requests(args) -> list[dict]:
@@ -103,7 +110,7 @@ def build_engine(args, targets: dict[str, str]):
     mesh, shardings = _mesh_and_shardings(args, targets)
     specs = _load_targets(args, targets, tok, shardings)
     draft_cfg = draft_params = draft_tok = extra = None
-    if proposer(args.method).needs_draft:  # check_args: a draft was given
+    if proposer(args.decoding).needs_draft:  # check_args: a draft was given
         draft_cfg, draft_params, extra, draft_tok = _load_draft(args, specs, shardings)
     _resolve_settings(args, targets, specs, draft_cfg, extra)
     intermediates = _load_intermediates(args, specs)
@@ -126,7 +133,7 @@ def _load_targets(args, targets: dict[str, str], tok, shardings) -> dict:
         if tok.vocab_size > cfg.vocab_size:
             raise S2DError(f"tokenizer has {tok.vocab_size} tokens but target {name!r} only "
                            f"{cfg.vocab_size}; pass the target's tokenizer with --tokenizer")
-        if proposer(args.method).proposes:  # ar drafts nothing
+        if proposer(args.decoding).proposes:  # ar drafts nothing
             check_gamma(DEFAULT_GAMMA if args.gamma is None else args.gamma, cfg.max_position_embeddings,
                         f"target {name!r}", given=args.gamma is not None)
         specs[name] = TargetSpec(cfg, params, tokenizer=tok)
@@ -149,10 +156,13 @@ def _load_draft(args, specs: dict, shardings):
 
 
 def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, extra):
-    """Each target's setting (serving_config.target_setting) into its TargetSpec. The
-    targets share the draft's exits: with several targets and no --exits, the draft's, so
-    a target's calibration is used only where it is for those exits."""
+    """Each target's setting (serving_config.target_setting; auto: its calibrated choice)
+    into its TargetSpec. The targets share the draft's exits: with several targets and no
+    --exits, the draft's, so a target's calibration is used only where it is for those
+    exits."""
     from s2d_jax.decode.defaults import draft_exits
+    from s2d_jax.decode.auto_method import auto_target_setting
+    from s2d_jax.decode.methods import is_auto
     from s2d_jax.decode.serving_config import target_setting
 
     exits = parse_ints(args.exits, "--exits") if args.exits else None
@@ -163,8 +173,12 @@ def _resolve_settings(args, targets: dict[str, str], specs: dict, draft_cfg, ext
                      stop_threshold=args.draft_stop)
     settings = {}
     for name, s in specs.items():
-        settings[name] = target_setting(args.method, targets[name], s.cfg, draft_cfg, extra,
-                                        exits=exits, **overrides)
+        if is_auto(args.method):  # each target's calibrated choice
+            settings[name] = auto_target_setting(targets[name], s.cfg, draft_cfg, extra,
+                                                 exits=exits, **overrides)
+        else:
+            settings[name] = target_setting(args.method, targets[name], s.cfg, draft_cfg,
+                                            extra, exits=exits, **overrides)
         if settings[name].note:
             print(settings[name].note, file=sys.stderr)
         s.setting = settings[name]
@@ -179,8 +193,8 @@ def _load_intermediates(args, specs) -> list:
         if args.mu:
             raise S2DError("--mu needs a chain: pass --intermediate and/or --quantize-intermediate")
         return []
-    if not proposer(args.method).proposes:
-        raise S2DError(f"method {args.method} has no draft to chain; use --method s2d")
+    if not proposer(args.decoding).proposes:
+        raise S2DError(f"method {args.decoding} has no draft to chain; use --method s2d")
     n_levels = len(args.intermediate) or 1
     n_mus = len(parse_ints(args.mu, "--mu")) if args.mu else n_levels
     if n_mus != n_levels:
@@ -211,7 +225,7 @@ def _mesh_and_shardings(args, targets: dict[str, str]):
     from s2d_jax.model.transformer import param_shardings
     from s2d_jax.parallel.multihost import build_mesh, parse_mesh
     paths = {f"target[{name}]": path for name, path in targets.items()}
-    if proposer(args.method).needs_draft and args.draft:
+    if proposer(args.decoding).needs_draft and args.draft:
         paths["draft"] = args.draft
     cfgs = {key: stored_model_config(path) for key, path in paths.items()}
     mesh = build_mesh(parse_mesh(args.mesh), cfgs)
@@ -263,6 +277,9 @@ def main(argv=None):
         print(f"[{row['target']} #{row['question_id']}{turn}] "
               f"{stats_line(row['stats'], show_compile=compiled)}"
               + ("" if stream else f": {row['text'][:200]!r}"), file=sys.stderr)
+    if _PRINTER.first_at is not None:
+        print(f"time to first token: {_PRINTER.first_at:.1f} s after the process started",
+              file=sys.stderr)
     return 0
 
 
@@ -287,7 +304,7 @@ def answer_turns(engine, tok, template, reqs, args, decode_kw, stream) -> list[d
             mine = [r for r in live if r["target"] == name]
             for i in range(0, len(mine), args.batch_size):
                 batch = mine[i:i + args.batch_size]
-                on_chunk = TextStream(tok, _print_piece) if stream else None
+                on_chunk = TextStream(tok, _PRINTER) if stream else None
                 outs = engine.generate(name, [r["ids"] for r in batch], seed=args.seed + i + k,
                                        chunk_rounds=4 if stream else 0, on_chunk=on_chunk,
                                        **decode_kw)
@@ -304,8 +321,20 @@ def answer_turns(engine, tok, template, reqs, args, decode_kw, stream) -> list[d
     return rows
 
 
-def _print_piece(text: str) -> None:
-    print(text, end="", flush=True)
+class _Printer:
+    """Prints the streamed pieces; `first_at`: seconds from the process's start to the first
+    piece (the time to first token a user waits, imports and loading included)."""
+
+    first_at: float | None = None
+
+    def __call__(self, text: str) -> None:
+        if self.first_at is None:
+            from s2d_jax.cli.clock import since_start
+            self.first_at = since_start()
+        print(text, end="", flush=True)
+
+
+_PRINTER = _Printer()
 
 
 def _add_time_split(engine, rows, reqs, args) -> None:

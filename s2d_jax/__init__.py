@@ -23,6 +23,12 @@ import os
 # advisory on every import without torch, which the core install does not need
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+# every command and API call reads compiled programs from disk from its second start on
+# (JAX's persistent compilation cache, $S2D_COMPILE_CACHE: s2d_jax/compile_cache.py)
+from s2d_jax import compile_cache as _compile_cache  # noqa: E402
+
+_compile_cache.enable()
+
 # public name -> (module, attribute)
 _LAZY = {
     "S2DError": ("s2d_jax.errors", "S2DError"),
@@ -52,7 +58,7 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2d",
+def generate(prompt, target: str, draft: str | None = None, *, method: str = "auto",
              chat_template: str = "auto", max_new_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, gamma: int | None = None,
              thresholds=None, exit: int | None = None, exits=None,
@@ -64,7 +70,8 @@ def generate(prompt, target: str, draft: str | None = None, *, method: str = "s2
     answered in the context of the others). chat_template "auto" renders them in the
     tokenizer's own template when it has one (else the text as is after BOS), "vicuna" or
     "none". target / draft: HF dirs, params checkpoints or GGUF files; `~` and `$VARS` are
-    expanded. method: "s2d" (escalating over the draft's exits), "sd" (the draft cut at
+    expanded. method: "auto" (the method the target's calibration chose, else "s2d":
+    s2d_jax/decode/auto_method.py), "s2d" (escalating over the draft's exits), "sd" (the draft cut at
     `exit`), "self" (the target's first `exit` layers), "lookup" (tokens copied from the
     context, no draft), "ladder" (the lookup, then the draft's exits) or "ar"; s2d's gamma and thresholds
     default to the target's calibrated `s2d_serving.json` (s2d_jax.decode.chat.load_decoder).
@@ -139,7 +146,7 @@ def train_soft(config, overrides=(), *, devices=None, progress: bool = False) ->
     return train(tc, devices=devices, progress=progress)
 
 
-def serve(target: str, draft: str | None = None, *, method: str = "s2d",
+def serve(target: str, draft: str | None = None, *, method: str = "auto",
           host: str = "127.0.0.1", port: int = 8000, block: bool = True, **settings):
     """Serve `target` (with `draft`) over HTTP, OpenAI-compatible, as `python -m infer.serve`:
     /v1/chat/completions, /v1/completions, /v1/models, /health, continuous batching over

@@ -34,6 +34,7 @@ _not_path = st.one_of(st.integers(), st.floats(), st.booleans(), st.just(""), st
                       st.lists(st.text(min_size=1), max_size=2), st.binary(max_size=3))
 WRONG = {
     "int>=1": st.one_of(_not_int, st.integers(max_value=0)),
+    "int>=1?": st.one_of(_not_int, st.integers(max_value=0)),
     "int>=0": st.one_of(_not_int, st.integers(max_value=-1)),
     "int>=-1": st.one_of(_not_int, st.integers(max_value=-2)),
     "number>=0": st.one_of(_not_number, st.floats(max_value=-1e-9, allow_nan=False)),
@@ -49,8 +50,8 @@ WRONG = {
                                             st.booleans()), min_size=1, max_size=3)),
     "path": st.one_of(_not_path, st.none()),
     "path?": _not_path,
-    "method": st.one_of(st.text(max_size=6).filter(lambda s: s not in ("ar", "sd", "self",
-                                                                      "s2d")), st.integers()),
+    "method": st.one_of(st.text(max_size=6).filter(lambda s: s not in (
+        "ar", "sd", "self", "s2d", "lookup", "ladder", "auto")), st.integers()),
     "template": st.one_of(st.text(max_size=6).filter(lambda s: s not in ("auto", "vicuna",
                                                                         "none")), st.none()),
     "dtype": st.one_of(st.text(max_size=6).filter(lambda s: s not in (
@@ -98,7 +99,7 @@ KINDS = {
     "devices": "devices?", "progress": "bool", "system": "text?", "text": "text",
     "on_text": "callable?", "messages": "messages", "num_layers": "int>=1",
     "prompts": "token_prompts", "eos_id": "int>=-1", "stop_threshold": "number[0,1]",
-    "max_len": "int>=1", "chunk_rounds": "int>=0", "on_chunk": "callable?",
+    "max_len": "int>=1", "width": "int>=1?", "chunk_rounds": "int>=0", "on_chunk": "callable?",
     "target_cfg": "model_config", "draft_cfg": "model_config?", "confidence": "choice",
     "kv_fill": "choice", "name": "text", "mus": "ints>=1", "targets": "targets",
     "target_params": "opaque", "draft_params": "opaque", "shardings": "opaque",

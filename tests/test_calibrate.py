@@ -237,6 +237,9 @@ def test_calibrate_cli_writes_a_valid_config(family, capsys):
     # paths relative to the target dir, where the config lives
     assert cfg["draft"] == os.path.join("..", "draft")
     assert cfg["calibrated_on"]["questions"] == os.path.join("..", "q.jsonl")
+    # and the methods ranked side by side: the choice --method auto decodes with
+    ranked = {r["label"] for r in cfg["default"]["ranking"]}
+    assert {"ar", "sd@1", "sd@2", "lookup", "ladder"} <= ranked and "auto decodes with" in cap.out
 
 
 def _error(capsys, argv):

@@ -66,3 +66,13 @@ def test_every_library_subpackage_is_in_the_wheel():
         if "__init__.py" in files and "__pycache__" not in d}
     assert {"s2d_jax", "s2d_jax.decode"} <= on_disk  # the walk sees the real tree
     assert on_disk <= listed, f"add to pyproject's packages: {sorted(on_disk - listed)}"
+
+
+def test_the_test_extra_pulls_no_torch():
+    # pip's default torch on Linux is the CUDA build (GBs); accelerate requires torch
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("=")[0].split("[")[0].strip().lower()
+             for req in extras["test"]}
+    assert not names & {"torch", "accelerate"}, sorted(names)
+    assert any(req.startswith("torch") for req in extras["bench"])

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+# the `bench` extra's torch (HF reference models); `.[test]` leaves it out: a CUDA wheel is GBs
+torch = pytest.importorskip("torch")
 from gguf import GGMLQuantizationType as Q
 
 from s2d_jax.errors import S2DError

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
+# the `bench` extra's torch (HF reference models); `.[test]` leaves it out: a CUDA wheel is GBs
+torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 

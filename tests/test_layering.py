@@ -21,7 +21,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = "s2d_jax"
-RANKS = {"errors": 0, "config": 0, "readers": 0, "validate": 0, "env": 0, "parallel": 1, "model": 2, "io": 3, "data": 4,
+RANKS = {"errors": 0, "config": 0, "readers": 0, "validate": 0, "env": 0, "compile_cache": 0, "parallel": 1, "model": 2, "io": 3, "data": 4,
          "decode": 5, "train": 6, "server": 6, "bench": 7,
          "calibration": 8, "cli": 9}
 TOP = max(RANKS.values()) + 1  # s2d_jax/__init__.py: the public API imports any package

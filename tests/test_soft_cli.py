@@ -8,7 +8,8 @@ import sys
 import jax
 import numpy as np
 import pytest
-import torch
+# the `bench` extra's torch (HF reference models); `.[test]` leaves it out: a CUDA wheel is GBs
+torch = pytest.importorskip("torch")
 import transformers
 
 from s2d_jax.model import transformer as model

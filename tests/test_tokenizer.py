@@ -130,3 +130,21 @@ def test_bad_tokenizer_dirs_raise(tmp_path):
     (bad_sp / "tokenizer.model").write_bytes(b"\x00garbage")
     with pytest.raises(S2DError):
         load_tokenizer(str(bad_sp))
+
+
+def test_a_plain_tokenizer_json_loads_without_autotokenizer_as_autotokenizer_would():
+    # io/tokenizer.py loads a TokenizersBackend dir with PreTrainedTokenizerFast (AutoTokenizer's
+    # import costs ~2.5 s of a warm start); it must be the tokenizer AutoTokenizer builds
+    from transformers import AutoTokenizer
+
+    from s2d_jax.io.tokenizer import _plain_fast, load_tokenizer
+    d = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "models", "demo", "draft")
+    assert _plain_fast(d)
+    ours = load_tokenizer(d).hf
+    auto = AutoTokenizer.from_pretrained(d, local_files_only=True, use_fast=True)
+    assert type(ours) is type(auto)
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+                 "chat_template", "all_special_ids"):
+        assert getattr(ours, attr) == getattr(auto, attr), attr

@@ -23,8 +23,8 @@ from s2d_jax.bench import theory
 from s2d_jax.errors import S2DError
 from s2d_jax.decode.checks import check_thresholds
 from s2d_jax.decode.defaults import round_up
-from s2d_jax.decode.methods import (BASELINE, CALIBRATED, DEFAULT_NGRAM, LOOKUP_RUNG, METHODS, has, methods_where,
-                                    proposer)
+from s2d_jax.decode.methods import (AUTO, BASELINE, CALIBRATED, DEFAULT_NGRAM, LOOKUP_RUNG, METHODS, has,
+                                    is_auto, methods_where, proposer)
 from s2d_jax.decode.serving import Decoder
 from s2d_jax.decode.serving_config import DecodeSetting, resolve
 from s2d_jax.model.exits import exits_problem
@@ -32,7 +32,8 @@ from s2d_jax.model.exits import exits_problem
 # The bench's method kinds: each method of the table, and CALIBRATED ("-cal") beside each
 # calibrated one (its setting from the target's s2d_serving.json; the plain kind runs the
 # defaults at --gamma)
-METHOD_KINDS = METHODS + tuple(m + CALIBRATED for m in methods_where(calibrated=True))
+METHOD_KINDS = (METHODS + tuple(m + CALIBRATED for m in methods_where(calibrated=True))
+                + (AUTO,))  # auto: what --method auto decodes with (decode/auto_method.py)
 CHAIN = "chain"  # a report entry's method for a polybasic chain (chains.py), not an engine's
 
 
@@ -78,6 +79,10 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
     specs, notes = [], []
     exits = tuple(int(e) for e in draft_exits)
     for kind in kinds:
+        if is_auto(kind):
+            spec_or_note = _auto_spec(kind, exits, calibrated, target)
+            (specs if isinstance(spec_or_note, MethodSpec) else notes).append(spec_or_note)
+            continue
         method = kind_method(kind)
         row = proposer(method)
         if kind != method:
@@ -103,6 +108,17 @@ def method_specs(kinds: Sequence[str], draft_exits: Sequence[int], self_exit: in
 def kind_method(kind: str) -> str:
     """The method of a bench kind (METHOD_KINDS): s2d-cal -> s2d."""
     return kind.removesuffix(CALIBRATED)
+
+
+def _auto_spec(kind, exits, calibrated, target) -> MethodSpec | str:
+    """The run of --method auto on this target (its calibration's ranked choice with the
+    ranked setting, else S2D as resolve gives it; exits: the draft's, () without one), or
+    the note why it is skipped."""
+    from s2d_jax.decode.auto_method import auto_setting, choose
+    choice = choose(calibrated, bool(exits), f"{target}'s serving config")
+    if proposer(choice.method).needs_draft and not exits:
+        return f"{kind} skipped: it decodes with {choice.method} here, which needs --draft"
+    return MethodSpec.of(kind, auto_setting(choice, exits, calibrated, target=target))
 
 
 def _calibrated_spec(kind, method, exits, calibrated, target) -> MethodSpec | str:
@@ -160,8 +176,8 @@ class PaddedDecoder(Decoder):
         super().__init__(*args, **kw)
         self.prompt_width = prompt_width
 
-    def prepare(self, prompts, max_new_tokens, max_len=None):
-        spec, arr, lens = super().prepare(prompts, max_new_tokens, max_len)
+    def prepare(self, prompts, max_new_tokens, max_len=None, width=None):
+        spec, arr, lens = super().prepare(prompts, max_new_tokens, max_len, width)
         width = min(self.prompt_width, round_up(arr.shape[1], self.PREFILL_BUCKET))
         pad = width - arr.shape[1]
         if pad > 0:

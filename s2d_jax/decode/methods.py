@@ -74,6 +74,15 @@ METHODS = tuple(TABLE)
 CALIBRATED = "-cal"  # a bench run's label suffix for a method's calibrated setting (s2d-cal)
 LOOKUP_RUNG = "lookup"  # the lookup rung's key in a generation's accepted_by_rung statistics
 BASELINE = next(p.name for p in TABLE.values() if not p.proposes)  # what speedups are over
+# Not a row: the method a target's calibration chose among the rows it ran side by side (its
+# s2d_serving.json "default", decode/auto_method.py), S2D where it has none
+AUTO = "auto"
+CHOICES = (AUTO,) + METHODS  # what --method and the API's `method` accept
+
+
+def is_auto(method) -> bool:
+    """Whether `method` asks for the calibrated choice (AUTO) rather than a row."""
+    return method == AUTO
 
 
 def proposer(method: str) -> Proposer:

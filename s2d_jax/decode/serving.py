@@ -157,8 +157,10 @@ class Decoder:
     context = property(lambda self: self.chain.context)
 
     def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                max_len: int | None = None):
-        """Check prompts and pad them to a static bucket -> (spec, prompts [B,P], lens [B])."""
+                max_len: int | None = None, width: int | None = None):
+        """Check prompts and pad them to a static bucket (`width`, if given: a wider one,
+        as a conversation's turns share: defaults.conversation_width) -> (spec, prompts
+        [B,P], lens [B])."""
         if not prompts:
             raise S2DError("no prompts given; pass at least one prompt")
         V = self.target_cfg.vocab_size
@@ -173,6 +175,8 @@ class Decoder:
             raise S2DError(f"a prompt of {longest} tokens does not fit the context of "
                            f"{self.context} tokens with a new token; shorten the prompt")
         P = prompt_width(longest, self.context)
+        if width is not None:
+            P = min(max(P, prompt_width(width)), self.context)
         if max_len is None:
             max_len = buffer_len(P, max_new_tokens, self.spec_base.round_span, self.context)
         elif max_len <= longest:
@@ -207,8 +211,10 @@ class Decoder:
                  thresholds=None, eos_id: int | None = None,
                  stop_threshold: float | None = None, max_len: int | None = None,
                  chunk_rounds: int = 0,
-                 on_chunk: Callable[[GenState], None] | None = None) -> list[dict]:
+                 on_chunk: Callable[[GenState], None] | None = None,
+                 width: int | None = None) -> list[dict]:
         """Generate for a batch of token-id prompts -> one dict per prompt (ids + stats).
+        width: pad the prompts to at least this many positions (prepare).
 
         chunk_rounds > 0 runs prefill, then the round loop in jitted chunks of that many
         rounds (state donated), calling on_chunk(state) between chunks (streaming), and
@@ -223,7 +229,8 @@ class Decoder:
         validate.integer(max_len, "max_len", 1, optional=True)
         validate.integer(chunk_rounds, "chunk_rounds", 0)
         validate.callable_or_none(on_chunk, "on_chunk")
-        spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len)
+        validate.integer(width, "width", 1, optional=True)
+        spec, arr, lens = self.prepare(prompts, max_new_tokens, max_len, width)
         stop = self.stop_threshold if stop_threshold is None else check_stop_threshold(
             stop_threshold)
         dp = self.decode_params(spec, thresholds, temperature=temperature, top_k=top_k,

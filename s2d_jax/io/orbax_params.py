@@ -17,7 +17,6 @@ import shutil
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
 from s2d_jax.config import ModelConfig, build, first_layers, stored_dtype, with_dtype
 from s2d_jax.errors import S2DError
@@ -46,6 +45,7 @@ def save_params(out_dir: str, params: dict, cfg: ModelConfig, extra: dict | None
                "extra": dict(extra or {})}
     json.dumps(sidecar)  # fail before writing anything if extra is not JSON
     with atomic_output_dir(out_dir, overwrite, CHECKPOINT) as tmp:
+        import orbax.checkpoint as ocp  # here: its import is ~0.5 s that HF loads skip
         ckptr = ocp.StandardCheckpointer()
         ckptr.save(os.path.join(tmp, PARAMS_ITEM), params)
         ckptr.wait_until_finished()
@@ -91,6 +91,7 @@ def restore_params(ckpt_dir: str, num_layers: int | None = None, dtype=None, sha
     """
     cfg, extra = read_params_config(ckpt_dir)
     item = os.path.join(os.path.abspath(ckpt_dir), PARAMS_ITEM)
+    import orbax.checkpoint as ocp
     ckptr = ocp.StandardCheckpointer()
     stored = _stored_tree(ckptr, item, cfg, ckpt_dir)
     cfg = first_layers(cfg, num_layers, ckpt_dir)

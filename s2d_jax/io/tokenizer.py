@@ -182,9 +182,11 @@ def _from_pretrained(path: str):
     import shutil
     import tempfile
 
-    from transformers import AutoTokenizer
-
     def load(d):
+        if _plain_fast(d):  # what AutoTokenizer would build, without its imports (torch: ~3 s)
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+        from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(d, local_files_only=True, use_fast=True)
 
     marked = []
@@ -206,6 +208,26 @@ def _from_pretrained(path: str):
             elif os.path.isfile(file):
                 os.symlink(file, os.path.join(view, name))
         return load(view)
+
+
+# the tokenizer_class values for which AutoTokenizer builds PreTrainedTokenizerFast itself
+# (transformers 5 names it TokenizersBackend): no model-specific class to look up
+_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _plain_fast(path: str) -> bool:
+    """Whether `path` is a tokenizer.json whose config names the plain fast class, so that
+    PreTrainedTokenizerFast loads it as AutoTokenizer does: importing AutoTokenizer imports
+    every model's config and, where installed, torch (2.5 s of a 10 s warm start)."""
+    config = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")) or not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8-sig") as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False  # AutoTokenizer then says what is wrong
+    return cls in _PLAIN_FAST
 
 
 def _llama_sentencepiece(sp_file: str):

@@ -10,7 +10,6 @@ import dataclasses
 import math
 
 import jax
-import flax.linen as nn
 from jax.sharding import Mesh, PartitionSpec as P
 
 from s2d_jax.config import ModelConfig
@@ -69,12 +68,14 @@ def with_auto_axes(mesh: Mesh | None) -> Mesh | None:
 
 def partition_spec(logical: tuple) -> P:
     """Mesh PartitionSpec of an array whose axes have the logical names `logical`."""
+    import flax.linen as nn  # here: a one-device run never imports flax (~0.2 s)
     return nn.logical_to_mesh_axes(logical, RULES)
 
 
 def logical_to_mesh_sharding(logical_specs, mesh: Mesh):
     """A pytree of logical PartitionSpecs (e.g. `nn.get_partition_spec` of boxed params)
     -> the same tree of NamedShardings on `mesh`."""
+    import flax.linen as nn
     return nn.logical_to_mesh_sharding(logical_specs, mesh, RULES)
 
 

@@ -50,7 +50,7 @@ def _left(http: HttpRequest, when: str) -> Response:
 
 
 def make_app(worker: Worker, *, model: str, tokenizer, template: str,
-             default_max_tokens: int = 256,
+             default_max_tokens: int = 128,
              max_body_bytes: int = bodies.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The app serving `worker`'s engine under the model name `model`; prompts rendered in
     `template` (resolved: auto, vicuna or none) with `tokenizer`; bodies past

@@ -20,8 +20,11 @@ class Server:
     listen.bind made for them; None: bound here)."""
 
     def __init__(self, engine, *, model: str, template: str, host: str = "127.0.0.1",
-                 port: int = 8000, max_queue: int = 64, default_max_tokens: int = 256,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock=None):
+                 port: int = 8000, max_queue: int = 64, default_max_tokens: int = 128,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock=None, background=None,
+                 say=None):
+        """background: warm-up pieces the worker runs while idle (launch.warm_first's
+        rest); say(line): where it reports them."""
         from s2d_jax import validate
         from s2d_jax.server.app import make_app
         from s2d_jax.server.listen import bind
@@ -30,7 +33,7 @@ class Server:
         port = validate.integer(port, "port", 0, 65535)
         self.max_body_bytes = validate.integer(max_body_bytes, "max_body_bytes", 1,
                                                hi=1 << 62)
-        self.worker = Worker(engine, max_queue=max_queue)
+        self.worker = Worker(engine, max_queue=max_queue, background=background, say=say)
         self.app = make_app(self.worker, model=model, tokenizer=engine.tok, template=template,
                             default_max_tokens=default_max_tokens,
                             max_body_bytes=self.max_body_bytes)
@@ -99,6 +102,52 @@ def _log_config() -> dict:
     return config
 
 
+def serve_early(sock, model: str, progress, log_level: str = "info",
+                **build_kw) -> tuple[bool, bool]:
+    """Serve on `sock` from the first second: uvicorn on this thread answers /health with
+    the warm-up's state (gate.py) while a helper thread loads and warms (build_server),
+    then serves the real app. Returns once stopped by SIGINT / SIGTERM (uvicorn's graceful
+    stop) -> (whether it got ready, whether a thread may still be compiling inside XLA:
+    the caller then exits the process rather than wait); a failed build is raised here."""
+    import uvicorn
+
+    from s2d_jax.server.gate import Gate
+    gate, out = Gate(model), {}
+    config = uvicorn.Config(gate, log_level=log_level, log_config=_log_config(),
+                            lifespan="off", timeout_graceful_shutdown=5)
+    http = uvicorn.Server(config)
+
+    def say(line):
+        gate.say(line)
+        progress(line)
+
+    def build():
+        try:
+            server = build_server(sock=sock, progress=say, **build_kw)
+            server.worker.start()
+            out["server"] = server
+            gate.open(server.app)
+            say(f"serving {model} on {server.url}/v1")
+        except BaseException as e:  # re-raised on the caller's thread
+            out["error"] = e
+            http.should_exit = True
+
+    helper = threading.Thread(target=build, name="s2d-build", daemon=True)
+    helper.start()
+    try:
+        http.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the stopping signal again once it stopped
+        pass
+    finally:
+        if "server" in out:
+            out["server"].worker.stop(2)
+    if "error" in out:
+        raise out["error"]
+    server = out.get("server")
+    return server is not None, helper.is_alive() or (
+        server is not None and server.worker.thread.is_alive())
+
+
 def build_interruptibly(*args, **kw) -> Server:
     """build_server(*args, **kw) on a helper thread, the main thread waiting in short joins:
     Python runs a signal's handler on the main thread between bytecodes only, and XLA holds
@@ -126,13 +175,15 @@ def build_server(target: str, draft: str | None = None, *, method: str = "s2d",
                  name: str | None = None, gamma: int | None = None, thresholds=None,
                  exit: int | None = None, exits=None, dtype: str | None = None,
                  chat_template: str = "auto", slots: int = 8, max_len: int | None = None,
-                 chunk_rounds: int = 4, max_queue: int = 64, default_max_tokens: int = 256,
+                 chunk_rounds: int = 4, max_queue: int = 64, default_max_tokens: int = 128,
                  host: str = "127.0.0.1", port: int = 8000, seed: int = 0,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, sock=None,
-                 progress=None) -> Server:
+                 progress=None, fit_context: bool = False) -> Server:
     """Bind host:port (unless given `sock`, a listen.bind socket), load, build and warm
-    (compiles every program: see SlotEngine.warm) -> a Server not yet started.
-    `progress(line)` gets a line per stage."""
+    what the first requests need (launch.warm_first; the worker compiles the rest while
+    idle) -> a Server not yet started. `progress(line)` gets a line per stage;
+    fit_context: a max_len past the models' context is cut to it (a default's), not
+    refused (a user's)."""
     from s2d_jax import validate
     from s2d_jax.server.listen import bind
 
@@ -142,23 +193,25 @@ def build_server(target: str, draft: str | None = None, *, method: str = "s2d",
     if sock is None:  # before minutes of loading and compiling
         sock = bind(validate.text(host, "host"), validate.integer(port, "port", 0, 65535))
     try:
-        engine, template = _warmed_engine(
+        engine, template, rest = _warmed_engine(
             target, draft, progress or (lambda line: None), method=method, gamma=gamma,
             thresholds=thresholds, exit=exit, exits=exits, dtype=dtype,
             chat_template=chat_template, slots=slots, max_len=max_len,
-            chunk_rounds=chunk_rounds, seed=seed)
+            chunk_rounds=chunk_rounds, seed=seed, fit_context=fit_context)
         model = name or os.path.basename(os.path.normpath(target))
         return Server(engine, model=model, template=template, host=host,
                       max_queue=max_queue, default_max_tokens=default_max_tokens,
-                      max_body_bytes=max_body_bytes, sock=sock)
+                      max_body_bytes=max_body_bytes, sock=sock, background=rest,
+                      say=progress)
     except BaseException:
         sock.close()
         raise
 
 
 def _warmed_engine(target, draft, say, *, method, gamma, thresholds, exit, exits, dtype,
-                   chat_template, slots, max_len, chunk_rounds, seed):
-    """Load, build and warm -> (SlotEngine, the resolved chat template)."""
+                   chat_template, slots, max_len, chunk_rounds, seed, fit_context=False):
+    """Load, build and warm for the first requests -> (SlotEngine, the resolved chat
+    template, the rest of the warm-up: warm_first)."""
     from s2d_jax.data.prompts import end_of_turn_id, resolve_template
     from s2d_jax.decode.chat import load_decoder
     from s2d_jax.server.slots import SlotEngine
@@ -169,16 +222,33 @@ def _warmed_engine(target, draft, say, *, method, gamma, thresholds, exit, exits
     template, note = resolve_template(tok, chat_template)
     for line in notes + ([note] if note else []):
         say(line)
+    if fit_context and max_len is not None:
+        max_len = min(max_len, decoder.context)
     engine = SlotEngine(decoder, tok, slots=slots, max_len=max_len, chunk_rounds=chunk_rounds,
                         eos_id=end_of_turn_id(tok, template), seed=seed)
-    t0 = time.perf_counter()
-    warmed = engine.warm()
-    say(f"warmed {sum(warmed.values())} programs in {time.perf_counter() - t0:.1f} s "
-        f"({', '.join(f'{k} x{v}' for k, v in warmed.items())}; prompt widths "
-        f"{', '.join(map(str, engine.buckets))}; {slots} slots of {engine.max_len} tokens)")
+    rest = warm_first(engine, say)
+    return engine, template, rest
+
+
+def warm_first(engine, say):
+    """Warm what the first requests need (warm_up.stages until `ready`), a progress line
+    per piece -> the generator of the rest (the worker runs it while idle)."""
+    import collections
+
+    from s2d_jax.server.warm_up import stages
+    counts, t0 = collections.Counter(), time.perf_counter()
+    steps = stages(engine, counts)
+    for label, ready in steps:
+        say(f"warming: {label} ({time.perf_counter() - t0:.0f} s)")
+        if ready:
+            break
+    say(f"ready for the first requests after {time.perf_counter() - t0:.1f} s of warm-up "
+        f"({sum(counts.values())} programs; prompt widths up to {engine.max_len} and up to "
+        f"{engine.slots} rows compile in the background: {engine.slots} slots of "
+        f"{engine.max_len} tokens)")
     if engine.policy is not None:
         say("round seconds per row bucket (speculative / AR -> the tokens per round "
-            "speculation needs): " + ", ".join(
+            "speculation needs; buckets not yet measured: 1 row's): " + ", ".join(
                 f"{r['rows']}: {r['spec_round_s'] * 1e3:.0f} / {r['ar_round_s'] * 1e3:.0f} ms "
                 f"-> {r['break_even_tokens_per_round']:.2f}" for r in engine.policy.table()))
-    return engine, template
+    return steps

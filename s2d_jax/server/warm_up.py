@@ -19,51 +19,98 @@ from s2d_jax.server.occupancy import OccupancyPolicy
 from s2d_jax.server.request import Job, Request
 
 
+# Prompt widths the first requests need (a chat turn, a short completion): compiled
+# before the server says it is ready; the longer ones follow in the background.
+FIRST_WIDTHS = 512
+
+
 def warm(eng) -> dict:
     """Compile, measure and install the policy on SlotEngine `eng` -> {program: count}
     of what was compiled. The engine starts empty afterwards."""
     counts = collections.Counter()
-    lazy = eng.ar is not None and eng.draft_params is not None
-    one_ar = compile_prefills(eng, lazy, counts)
-    # a row that decodes to the end of its buffer: every round of a measured chunk runs
-    long = Request((1,), max_new_tokens=eng.max_len - 2)
-    one = start(eng, eng._prefill_caches((1,)), long, draft=True)
-    costs = {True: {}, False: {}}
-    for rows in eng.row_buckets:
-        for other in eng.row_buckets:
-            if other != rows:
-                programs.resize(eng._empty(rows), rows=other, chain=eng.chain)
-                counts["resize"] += 1
-        for speculate in (True, False) if eng.ar is not None else (True,):
-            costs[speculate][rows] = time_chunks(eng, one, rows, speculate, counts)
-        state = programs.release(filled(eng, one, rows), jax.device_put(np.zeros(rows, bool)),
-                                 chain=eng.chain)
-        eng.state = programs.move(state, jnp.int32(0), jnp.int32(0), chain=eng.chain)
-        counts.update(insert=1, release=1, move=1)
-        if lazy:  # a slot written from a prefill without the draft
-            programs.insert(eng._empty(rows), one_ar, jnp.int32(0), chain=eng.chain)
-            counts["insert"] += 1
-    if eng.ar is not None:
-        eng.policy = OccupancyPolicy(costs[True], costs[False], eng.spec.round_span)
-    eng.rows, eng.draft_stale = eng.row_buckets[0], False
-    eng.state = jax.block_until_ready(eng._empty(eng.rows))
-    eng.seen[:] = 0
+    for _ in stages(eng, counts):
+        pass
     return dict(counts)
 
 
-def compile_prefills(eng, lazy: bool, counts):
-    """The prefill of every prompt width and its first token, with the draft and (lazy)
-    without it -> a one-row state prefilled without the draft (None unless lazy)."""
+def stages(eng, counts):
+    """warm() a piece at a time: a generator yielding (label, ready) after each piece,
+    the engine empty and usable in between (a caller may serve requests there, as the
+    server's worker does while it warms the rest in the background). `ready` turns True
+    once what the first requests need is compiled (the short prompt widths and one row)
+    and the occupancy policy exists (the costs of row buckets not yet measured are the
+    one-row costs until measured)."""
+    lazy = eng.ar is not None and eng.draft_params is not None
+    short = [w for w in eng.buckets if w <= FIRST_WIDTHS] or [eng.buckets[0]]
+    long_ = [w for w in eng.buckets if w not in short]
     request = Request((1,), max_new_tokens=1)
+    for width in short:
+        eng._prefill_caches((1,), True, width)
+        counts["prefill"] += 1
+        yield f"prefill of {width}-token prompts", False
+    start(eng, eng._prefill_caches((1,), True, short[0]), request, draft=True)
+    counts["first_token"] += 1
+    # a row that decodes to the end of its buffer: every round of a measured chunk runs
+    long = Request((1,), max_new_tokens=eng.max_len - 2)
+    one = start(eng, eng._prefill_caches((1,), True, short[0]), long, draft=True)
     one_ar = None
-    for draft in (True, False) if lazy else (True,):
-        for width in eng.buckets:
-            caches = eng._prefill_caches((1,), draft, width)
-            counts["prefill" if draft else "prefill_target_only"] += 1
-        one = start(eng, caches, request, draft)
-        counts["first_token" if draft else "first_token_target_only"] += 1
-        one_ar = one_ar if draft else one
-    return one_ar
+    if lazy:  # a request admitted while the batch decodes AR: prefilled without the draft
+        one_ar = start(eng, eng._prefill_caches((1,), False, short[0]), request, draft=False)
+        counts.update(prefill_target_only=1, first_token_target_only=1)
+    costs = {True: {}, False: {}}
+    for rows in eng.row_buckets:
+        for label in _rows(eng, rows, one, one_ar, costs, counts):
+            if rows != eng.row_buckets[0]:  # pieces of a few programs: a request that
+                _idle(eng)                  # comes waits for one piece at most
+                yield f"{label} at {rows} rows", True
+        if eng.ar is not None:
+            if eng.policy is None:
+                eng.policy = OccupancyPolicy({}, {}, eng.spec.round_span)
+            for r in eng.row_buckets:  # measured, else the nearest smaller bucket's
+                known = max(k for k in costs[True] if k <= r)
+                eng.policy.spec_cost[r] = costs[True][known]
+                eng.policy.ar_cost[r] = costs[False][known]
+        _idle(eng)
+        yield f"decode programs at {rows} row(s)", True
+    for width in long_:
+        eng._prefill_caches((1,), True, width)
+        counts["prefill"] += 1
+        _idle(eng)
+        yield f"prefill of {width}-token prompts", True
+    for width in (eng.buckets if lazy else ()):
+        if width != short[0]:
+            eng._prefill_caches((1,), False, width)
+            counts["prefill_target_only"] += 1
+            _idle(eng)
+            yield f"target-only prefill of {width}-token prompts", True
+
+
+def _rows(eng, rows: int, one, one_ar, costs, counts):
+    """Every program at `rows` rows, a generator yielding a label after each piece: the
+    resizes to the other buckets, both chunks (timed), insert, release and move."""
+    for other in eng.row_buckets:
+        if other != rows:
+            programs.resize(eng._empty(rows), rows=other, chain=eng.chain)
+            counts["resize"] += 1
+    yield "resizes"
+    for speculate in (True, False) if eng.ar is not None else (True,):
+        costs[speculate][rows] = time_chunks(eng, one, rows, speculate, counts)
+        yield "speculative chunks" if speculate else "AR chunks"
+    state = programs.release(filled(eng, one, rows), jax.device_put(np.zeros(rows, bool)),
+                             chain=eng.chain)
+    programs.move(state, jnp.int32(0), jnp.int32(0), chain=eng.chain)
+    counts.update(insert=1, release=1, move=1)
+    if one_ar is not None:  # a slot written from a prefill without the draft
+        programs.insert(eng._empty(rows), one_ar, jnp.int32(0), chain=eng.chain)
+        counts["insert"] += 1
+    yield "slot writes"
+
+
+def _idle(eng) -> None:
+    """The engine empty at its smallest row bucket (between warm-up pieces)."""
+    eng.rows, eng.draft_stale = eng.row_buckets[0], False
+    eng.state = jax.block_until_ready(eng._empty(eng.rows))
+    eng.seen[:] = 0
 
 
 def start(eng, caches, request: Request, draft: bool):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from s2d_jax.errors import S2DError
 from s2d_jax.server.request import Job, Request
@@ -27,9 +28,14 @@ class QueueFull(S2DError):
 class Worker:
     """Runs `engine.step()` on one background thread while the engine is busy."""
 
-    def __init__(self, engine: SlotEngine, max_queue: int = 64):
+    def __init__(self, engine: SlotEngine, max_queue: int = 64, background=None, say=None):
+        """background: an iterator of warm-up pieces (warm_up.stages' rest), one run
+        whenever the engine is idle, requests first; say(line) gets its progress."""
         from s2d_jax import validate
         self.engine = engine
+        self.background, self.say = background, say or (lambda line: None)
+        self.warming = "the rest of the warm-up" if background is not None else None
+        self._warm_t0 = time.perf_counter()
         self.max_queue = validate.integer(max_queue, "max_queue", 1)
         self.wake = threading.Event()
         self.running = threading.Event()  # cleared: paused
@@ -76,10 +82,24 @@ class Worker:
                 sink(event)
         return on_event
 
+    def _warm_a_piece(self) -> None:
+        """One piece of the background warm-up (the engine is idle: no request waits)."""
+        try:
+            self.warming, _ = next(self.background)
+            self.say(f"warming in the background: {self.warming} "
+                     f"({time.perf_counter() - self._warm_t0:.0f} s)")
+        except StopIteration:
+            self.background = self.warming = None
+            self.say(f"warm: every program compiled "
+                     f"({time.perf_counter() - self._warm_t0:.0f} s in the background)")
+        except Exception:  # a failed compile leaves those shapes to compile on demand
+            log.exception("the background warm-up failed; programs compile on demand")
+            self.background = self.warming = None
+
     def status(self) -> dict:
         e = self.engine
         policy = e.policy
-        return {"slots": e.slots, "active": e.active(), "waiting": e.pending(),
+        return {"state": "ready", "warming": self.warming, "slots": e.slots, "active": e.active(), "waiting": e.pending(),
                 "rows": e.rows, "speculating": e.speculating,
                 "tokens_per_round": None if policy is None else round(policy.tokens_per_round, 3),
                 "max_queue": self.max_queue, "paused": not self.running.is_set(),
@@ -90,6 +110,9 @@ class Worker:
             self.running.wait()
             if self.stopping:
                 break
+            if not self.engine.busy() and self.background is not None:
+                self._warm_a_piece()
+                continue
             if not self.engine.busy():
                 self.wake.wait(0.5)
                 self.wake.clear()
