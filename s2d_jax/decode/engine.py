@@ -134,14 +134,23 @@ def _generate(draft_params, target_params, prompts, prompt_lens, dp: DecodeParam
                         mid_params, chain=chain)
 
 
+# XLA:GPU splits the contraction of a few-row GEMM over thread blocks and writes each
+# block's partial sums to HBM in f32 for a reduce to read back (split-K): at a verify window
+# of 8 rows x 5 tokens that is 15% more than the weight's own bytes for each MLP matrix of a
+# 70B layer split 8 ways (docs/distributed.md). One pass reads each weight once (a choice
+# by bytes, not yet timed on a GPU). A GPU option that XLA:CPU and XLA:TPU ignore.
+DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+
+
 def _jit_per_chain(fn, **jit_kw):
     """fn jitted with `chain` static (one program per chain and shapes), traced in the
-    chain's kernel scope (Chain.kernel_scope)."""
+    chain's kernel scope (Chain.kernel_scope), compiled with DECODE_COMPILER_OPTIONS."""
     @functools.wraps(fn)
     def traced(*args, chain: Chain, **kwargs):
         with chain.kernel_scope():
             return fn(*args, chain=chain, **kwargs)
-    return jax.jit(traced, static_argnames=("chain",), **jit_kw)
+    return jax.jit(traced, static_argnames=("chain",),
+                   compiler_options=dict(DECODE_COMPILER_OPTIONS), **jit_kw)
 
 
 generate = _jit_per_chain(_generate)

@@ -44,6 +44,10 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
 # Custom calls of the TPU compiler that move nothing: a concatenation of buffers already
 # adjacent (its async slices' destinations), an allocation, an index-range assertion.
 FREE_CALLS = {"ConcatBitcast", "AllocateBuffer", "AssumeGatherIndicesInBound"}
+# Kernels handed a whole layer stack ([L, ...]) and the layer to read as operands (a layer's
+# slice would be copied out for the call): each reads one layer of each stack, at most
+# (gpu_attention.py's cached attention: slots up to the row's position of one cache layer).
+ONE_LAYER_CALLS = ("cache_attention_kernel",)
 SLICING = {"dynamic-slice", "slice", "gather"}
 # Fusions of only these (and scalar index arithmetic) are views: a layer of stacked weights,
 # a block of a cache. XLA:CPU materializes them (read + write) before a matmul; an
@@ -169,10 +173,21 @@ def instr_bytes(mod: Module, comp: str, ins: Instr) -> int:
         return hbm_bytes(update) + (type_bytes(update) if in_hbm(ins.type) else 0)
     operands = [mod.operand_type(comp, ins, k) for k in range(len(ins.operands))]
     result = hbm_bytes(ins.type)
+    if ins.opcode == "custom-call" and any(k in ins.line for k in ONE_LAYER_CALLS):
+        return result + sum(_one_layer(t) for t in operands)
     if ins.opcode.endswith("-start"):  # an async collective: a result tuple repeats its
         dt, dims, space = arrays_of(ins.type)[-1]  # operands; the last array is its own
         result = nbytes(dt, dims) if space == 0 else 0
     return result + sum(hbm_bytes(t) for t in operands)
+
+
+def _one_layer(type_text: str) -> int:
+    """HBM bytes of one layer of an operand of a ONE_LAYER_CALLS kernel: a rank-5 stack
+    ([L, B, K, S, H], a KV cache) read one layer; anything else whole."""
+    arrays = arrays_of(type_text)
+    if len(arrays) == 1 and len(arrays[0][1]) == 5 and arrays[0][2] == 0:
+        return hbm_bytes(type_text) // arrays[0][1][0]
+    return hbm_bytes(type_text)
 
 
 def sweep_trips(mod: Module, body: str, cache_shapes) -> int | None:

@@ -76,13 +76,26 @@ def _draft_bytes(setup, exit_layers: int, mesh) -> int:
 def minimum_round_bytes(setup, mesh=None) -> tuple[int, int]:
     """(lo, hi) per-device bytes a round must move at least: the target's weights and cache
     once (its verify call), plus per draft step the draft's weights and cache up to the exit
-    it stops at (lo: the first exit, hi: the deepest), gamma steps a round (call_bytes)."""
+    it stops at (lo: the first exit, hi: the deepest), gamma steps a round (call_bytes).
+    A step that escalates reads the shared norm and head at every exit it passes: each
+    exit's confidence decides whether the next layers run, so no program can read the head
+    once for all of them (hi counts it len(exits) times)."""
     target = call_bytes(setup.target_cfg, setup.batch, setup.spec.max_len, mesh)
     if setup.draft_cfg is None:
         return target, target
     g, exits = setup.spec.gamma, setup.spec.exits
+    passed = (len(exits) - 1) * _head_bytes(setup.draft_cfg, mesh)
     return (target + g * _draft_bytes(setup, exits[0], mesh),
-            target + g * _draft_bytes(setup, exits[-1], mesh))
+            target + g * (_draft_bytes(setup, exits[-1], mesh) + passed))
+
+
+def _head_bytes(cfg, mesh) -> int:
+    """Per-device bytes of the final norm and the head (the tied embedding where there is
+    no lm_head)."""
+    from s2d_jax.decode.aot import abstract_params
+    params = dict(abstract_params(cfg, mesh))
+    return tree_bytes_per_device({k: params[k] for k in ("final_norm", "lm_head", "embed")
+                                  if k in params and (k != "embed" or "lm_head" not in params)})
 
 
 def float32_twin(cfg):

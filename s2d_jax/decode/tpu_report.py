@@ -12,12 +12,14 @@ here, so none is built in)."""
 from __future__ import annotations
 
 from s2d_jax.decode.aot import GenerateSetup, compile_generate, round_bytes, round_copy_list
-from s2d_jax.decode.methods import BASELINE, PAPER_METHODS, proposer
+from s2d_jax.decode.methods import BASELINE, PAPER_METHODS, methods_where, proposer
 from s2d_jax.decode.roofline import expected_tokens, lemma_speedup, minimum_round_bytes
 from s2d_jax.decode.round_copies import summary
 from s2d_jax.decode.round_cost import compile_round, one_round_bytes, round_cost, walk_ratio
 
-ROOFLINE_METHODS = PAPER_METHODS  # what the per-round reports compare (SD: its deepest exit)
+# what the per-round reports compare: the paper's methods (SD at its deepest exit) and those
+# that copy from the context (lookup, the ladder), each a program of its own
+ROOFLINE_METHODS = PAPER_METHODS + methods_where(lookup=True)
 
 GIB = 2**30
 
@@ -89,24 +91,10 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
     lines = ["  copies per round of the decode loop, by what they move (the accelerator's "
              "program; memory-space moves are prefetches to on-chip memory, not copies in HBM):"]
     lines += [copy_line(m, copies[m]) for m in setups]
-    lines.append(f"  one round: the TPU compiler's estimate (cost analysis of a one-round "
-                 f"program, layers unrolled, the whole cache read; its own HLO walk beside the "
-                 f"loop's, VMEM counted), the HBM bytes of the "
-                 f"compiled round loop (HLO walk) and the roofline bound (minimum bytes), "
-                 f"both over {bandwidth / 1e12:.3g} TB/s ({device}; the bound is a LOWER BOUND):")
+    tpu = mesh.devices.flat[0].platform == "tpu"
+    lines.append(_round_header(tpu, bandwidth, device))
     for method, c in costs.items():
-        est = "n/a" if c["seconds"] is None else f"{1e3 * c['seconds']:.3f} ms"
-        lo, hi = (1e3 * b / bandwidth for b in c["minimum"])
-        bound = f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}..{hi:.3f}"
-        w = c["walk"]
-        wlo, whi = 1e3 * w.lo / bandwidth, 1e3 * w.hi / bandwidth
-        walk = f"{wlo:.3f}" if abs(whi - wlo) < 5e-4 else f"{wlo:.3f}..{whi:.3f}"
-        lines.append(f"    {method:<6} compiler {est:>10}   walk {walk} ms   bound {bound} ms   "
-                     f"(bytes: compiler's {(c['bytes'] or 0) / GIB:.3f} GiB, walk's "
-                     f"{w.hi / GIB:.3f} GiB + {w.on_chip / GIB:.3f} GiB kept in VMEM"
-                     f"{_one_round_walk(c['one walk'], w)}, minimum "
-                     f"{c['minimum'][1] / GIB:.3f} GiB; flops {(c['flops'] or 0) / 1e9:.1f} G; "
-                     f"one-round compile {c['compile']:.1f} s)")
+        lines.append(_round_line(method, c, bandwidth, tpu))
     if BASELINE in costs and len(costs) > 1:
         cols = acceptance_columns(acceptances, paper_acceptance)
         lines.append("  Lemma 3.1 speedup over AR, from the compiler's round times / the walk's "
@@ -119,6 +107,43 @@ def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device
             lines.append("    (the paper's acceptance: not in this repository; pass "
                          "--paper-acceptance A)")
     return lines
+
+
+def _round_header(tpu: bool, bandwidth: float, device: str) -> str:
+    over = f"over {bandwidth / 1e12:.3g} TB/s ({device}; the bound is a LOWER BOUND)"
+    if tpu:
+        return ("  one round: the TPU compiler's estimate (cost analysis of a one-round program, "
+                "layers unrolled, the whole cache read; its own HLO walk beside the loop's, "
+                "VMEM counted), the HBM bytes of the compiled round loop (HLO walk) and the "
+                f"roofline bound (minimum bytes), both {over}:")
+    return ("  one round: the HBM bytes of the compiled round loop (HLO walk) beside the floor "
+            f"(weights and caches once a draft step and once a verify), both {over} "
+            "(XLA:GPU has no time estimate):")
+
+
+def _round_line(method: str, c: dict, bandwidth: float, tpu: bool) -> str:
+    """One method's round: walk and bound in ms, the bytes and walk / floor (S2D: its
+    span, from a round with no escalation to one escalating every step)."""
+    w, (flo, fhi) = c["walk"], c["minimum"]
+    bound = _ms_span(flo, fhi, bandwidth)
+    walk = _ms_span(w.lo, w.hi, bandwidth)
+    ratio = f"{w.hi / fhi:.3f}x" if abs(w.lo / flo - w.hi / fhi) < 5e-4 else \
+        f"{w.lo / flo:.3f}..{w.hi / fhi:.3f}x"
+    if not tpu:
+        return (f"    {method:<6} walk {walk} ms   bound {bound} ms   (bytes: walk's "
+                f"{w.hi / GIB:.3f} GiB, floor {fhi / GIB:.3f} GiB; walk / floor {ratio})")
+    est = "n/a" if c["seconds"] is None else f"{1e3 * c['seconds']:.3f} ms"
+    return (f"    {method:<6} compiler {est:>10}   walk {walk} ms   bound {bound} ms   "
+            f"(bytes: compiler's {(c['bytes'] or 0) / GIB:.3f} GiB, walk's "
+            f"{w.hi / GIB:.3f} GiB + {w.on_chip / GIB:.3f} GiB kept in VMEM"
+            f"{_one_round_walk(c['one walk'], w)}, minimum {fhi / GIB:.3f} GiB, walk / "
+            f"floor {ratio}; flops {(c['flops'] or 0) / 1e9:.1f} G; one-round compile "
+            f"{c['compile']:.1f} s)")
+
+
+def _ms_span(lo: float, hi: float, bandwidth: float) -> str:
+    lo, hi = 1e3 * lo / bandwidth, 1e3 * hi / bandwidth
+    return f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}..{hi:.3f}"
 
 
 def method_setups(target, draft, exits, batch, context, prompt_len, gamma,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
-from s2d_jax.model import small_matmul
+from s2d_jax.model import decode_scope, gpu_attention, small_matmul
 
 # Slots a decode step's attention reads per block. The cache is a static buffer (max_len
 # slots) but a row's keys end at its position: blocks past the batch's last position are
@@ -58,6 +58,11 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     On a single CPU device with the small-matmul kernels built, the cached attention
     kernel (cpu_attention.cc) does the same in one call, reading the cache in place."""
     B, T, _, H = q.shape
+    fused, mesh = decode_scope.fused_attention_mesh()
+    if fused and gpu_attention.usable(kc, T * cfg.num_groups):
+        carry = gpu_attention.cache_softmax(q, kc, vc, layer, positions, new_kv is not None,
+                                            mesh)
+        return _finish(carry, q, positions, new_kv, S=kc.shape[3], cfg=cfg)
     if small_matmul.usable(B * T) and kc.dtype in (jnp.float32, jnp.bfloat16):
         return _kernel_attention(q, kc, vc, layer, positions, cfg, new_kv)
     if T * cfg.num_groups == 1:
@@ -92,8 +97,16 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     # One block covers the cache: no loop (a loop of unknown trip count has no cost in
     # XLA's cost analysis, round_cost.py reads the cache this way).
     carry = body(0, init) if C == S else jax.lax.fori_loop(0, n_blocks, body, init)
+    return _finish(carry, q, positions, new_kv, S, cfg)
+
+
+def _finish(carry, q, positions, new_kv, S: int, cfg: ModelConfig):
+    """The running softmax over the cache (carry), then over the new keys (new_kv, when
+    not yet written) -> the attention output [B,T,N,H]."""
+    B, T, H = q.shape[0], q.shape[1], q.shape[-1]
     if new_kv is not None:
-        carry = _attend_new_keys(carry, q, positions, new_kv, S)
+        qg = q.reshape(B, T, cfg.num_kv_heads, cfg.num_groups, H)
+        carry = _attend_new_keys(carry, qg, positions, new_kv, S)
     _, norm, acc = carry
     out = (acc / norm[..., None]).astype(q.dtype)  # every query holds slot 0: norm > 0
     return jnp.einsum("BKGTH->BTKGH", out).reshape(B, T, cfg.num_heads, H)

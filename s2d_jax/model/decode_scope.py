@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 _static_decode: list[bool | None] = [None]
 _tensor: list[int] = [1]  # the tensor-parallel degree of the program's mesh
+_fused: list[tuple[bool | None, object]] = [(None, None)]  # (the attention kernel on, its mesh)
 
 
 @contextlib.contextmanager
@@ -38,17 +39,35 @@ def for_platform(mesh):
     if mesh is None:
         return contextlib.nullcontext()
     return _scope(mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"),
-                  dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1))
+                  dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1), mesh)
 
 
 @contextlib.contextmanager
-def _scope(on: bool, tensor: int):
+def _scope(on: bool, tensor: int, mesh=None):
     _tensor.append(tensor)
     try:
-        with decode_unrolled(on):
+        with decode_unrolled(on), fused_attention(on, mesh):
             yield
     finally:
         _tensor.pop()
+
+
+@contextlib.contextmanager
+def fused_attention(on: bool | None, mesh=None):
+    """Cached attention traced now runs as one kernel (gpu_attention.py) on `mesh`'s
+    devices (True; on a CPU in Pallas's interpreter, for tests), in XLA ops (False), or as
+    the default backend wants (None: the kernel on a GPU)."""
+    _fused.append((on, mesh))
+    try:
+        yield
+    finally:
+        _fused.pop()
+
+
+def fused_attention_mesh() -> tuple[bool, object]:
+    """(whether cached attention traced now runs as one kernel, the mesh it runs on)."""
+    on, mesh = _fused[-1]
+    return (jax.default_backend() == "gpu" if on is None else on), mesh
 
 
 def static_decode_slices() -> bool:
