@@ -1,6 +1,8 @@
 """Ahead-of-time compile of the training step on abstract shapes (nothing allocated)."""
 
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -45,3 +47,40 @@ def test_paper_7b_soft_step_compiles_on_8_fake_devices():
     for row in ("argument", "output", "temp", "generated code", "compile"):
         assert row in out
     print(out)
+
+
+def _train_aot(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "train.aot", "--config", "configs/train/engine_h100.yaml",
+         "--target-config", "configs/train/cpu_draft_model.yaml", *args, "draft.exits=[2,4]",
+         "data.seq_len=64", "data.batch_size=32", "mesh.data=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+
+
+def test_a_config_whose_model_path_a_pipeline_sets_compiles_for_the_target_config():
+    # engine_h100.yaml has no model.path (data_engine fills it in): the shapes come from
+    # --target-config, and the step compiled is the run's, KD term and teacher states included
+    proc = _train_aot("--fake-devices", "8", "mesh.fsdp=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exits [2, 4]" in proc.stdout and "remat save_dot_with_context_except_mlp" in proc.stdout
+
+
+LIBTPU = os.environ.get("S2D_LIBTPU_PATH", "")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None and not os.path.isfile(LIBTPU),
+                    reason="libtpu (the TPU compiler) is not installed and S2D_LIBTPU_PATH "
+                           "names no libtpu.so")
+def test_the_tpu_report_gives_model_flops_and_mfu_at_the_compilers_time():
+    proc = _train_aot("--topology", "v5p:2x2x2", "mesh.fsdp=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "layers and exit losses unrolled" in out
+    # a micro-batch's compiler time, from the tokens a second (printed to the token)
+    per_second = float(re.search(r"([\d,]+) tokens a second", out).group(1).replace(",", ""))
+    micro_seconds = 32 * 64 / per_second / 4
+    number = r"([\d.]+(?:e[-+]?\d+)?)"
+    flops = float(re.search(rf"model flops a micro-batch per chip: {number} TFLOP", out).group(1))
+    mfu = float(re.search(rf"MFU at the compiler's time: {number} \(peak 459", out).group(1))
+    assert flops > 0 and mfu == pytest.approx(flops * 1e12 / (micro_seconds * 459e12), rel=0.01)

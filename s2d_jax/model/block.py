@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
@@ -70,14 +71,17 @@ def block(w: dict, cfg: ModelConfig, h, cos, sin, attend, kernel: bool = False):
     dt = h.dtype
     mm = functools.partial(dense, dt=dt, kernel=kernel)
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    q = mm("BTD,DNH->BTNH", x, w["wq"], extra=1)
-    k = mm("BTD,DKH->BTKH", x, w["wk"], extra=2)
-    v = mm("BTD,DKH->BTKH", x, w["wv"], extra=3)
+    # checkpoint_name marks what a layers.REMAT_POLICIES name policy may keep for the
+    # backward pass (MaxText's names); outside jax.checkpoint it is the identity.
+    q = checkpoint_name(mm("BTD,DNH->BTNH", x, w["wq"], extra=1), "query_proj")
+    k = checkpoint_name(mm("BTD,DKH->BTKH", x, w["wk"], extra=2), "key_proj")
+    v = checkpoint_name(mm("BTD,DKH->BTKH", x, w["wv"], extra=3), "value_proj")
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn, extra = attend(q, k, v)
-    h = h + out_projection(attn, w["wo"], dt, kernel)
+    attn = checkpoint_name(attn, "context")
+    h = h + checkpoint_name(out_projection(attn, w["wo"], dt, kernel), "out_proj")
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-    gate = mm("BTD,DF->BTF", x, w["w_gate"], extra=1)
-    up = mm("BTD,DF->BTF", x, w["w_up"], extra=2)
-    h = h + mm("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"])
+    gate = checkpoint_name(mm("BTD,DF->BTF", x, w["w_gate"], extra=1), "mlpwi_0")
+    up = checkpoint_name(mm("BTD,DF->BTF", x, w["w_up"], extra=2), "mlpwi_1")
+    h = h + checkpoint_name(mm("BTF,FD->BTD", jax.nn.silu(gate) * up, w["w_down"]), "mlpwo")
     return h, extra

@@ -26,11 +26,24 @@ from s2d_jax.model.block import MATRIX_NAMES, block
 from s2d_jax.model.kvcache import KVCache, write_slots
 from s2d_jax.model.rope import cos_sin
 
+# The projections block.block names (checkpoint_name), as MaxText names them.
+_PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1",
+                "mlpwo")
+# What the backward pass of a layer keeps (the rest is recomputed): "none" keeps everything
+# (no jax.checkpoint); "minimal" the projections' outputs; "minimal_with_context" those and
+# the attention's output (MaxText's default); "save_dot_with_context_except_mlp" those but
+# the MLP's two [B, T, F] inputs, its largest; "full" only the layer's input. The memory and
+# compiler's time of each at the pod shape: docs/distributed.md.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS),
+    "minimal_with_context": jax.checkpoint_policies.save_only_these_names(*_PROJECTIONS,
+                                                                          "context"),
+    "save_dot_with_context_except_mlp": jax.checkpoint_policies.save_only_these_names(
+        "query_proj", "key_proj", "value_proj", "context", "out_proj"),
 }
 
 # A short range of small layers runs unrolled (the loop's per-iteration cost dominates them);

@@ -7,9 +7,10 @@ previous exit's hidden state, so no layer is computed twice.
 
 SoFT (sorted fine-tuning) loss = weighted mean over exits of each exit's masked token
 cross-entropy (mixed with distillation on the target's distribution): `soft_objective`, the
-one definition that training (s2d_jax/train/step.py) and evaluation use. Each exit's [B, T, V] float32 logits are built, reduced and (under
-`jax.checkpoint`) recomputed in the backward pass one exit at a time, so training never
-holds [E, B, T, V] logits at once.
+one definition that training (s2d_jax/train/step.py) and evaluation use. Each exit's float32
+logits are built, reduced and (under `jax.checkpoint`) recomputed in the backward pass one
+exit and one piece of the rows at a time ([B, LOSS_CHUNK, V]), so training never holds
+[E, B, T, V] (nor [B, T, V]) logits at once.
 """
 
 from __future__ import annotations
@@ -86,16 +87,24 @@ def stored_exits(extra: dict | None, cfg: ModelConfig) -> tuple[int, ...]:
 
 def multi_exit_hidden(params: dict, cfg: ModelConfig, exits: tuple[int, ...], tokens,
                       positions=None, segment_ids=None, remat: str = "none",
-                      frozen_layers: int = 0) -> list:
+                      frozen_layers: int = 0, hidden_sharding=None) -> list:
     """Hidden states [B, T, D] at every exit, from one pass over the layer stack.
 
     `frozen_layers` N: layers [0, N) run on their weights behind stop_gradient and the
     state at depth N is a constant, so the backward pass starts at layer N (training a
-    deeper exit onto frozen shallower ones costs their forward only)."""
+    deeper exit onto frozen shallower ones costs their forward only).
+    `hidden_sharding` (training on a mesh): the sharding every segment's input and output
+    state is pinned to, rows split like the batch. Unpinned, the embedding's output kept
+    the table's split of D over fsdp and the partitioner carried it through the layers:
+    every device then held the whole micro-batch's [B, T, F] MLP activations and partial
+    sums (Vicuna-7B's 12 layers at 16 x 1024 on v5p:2x2x2: 59 GiB of temporaries a chip)
+    instead of gathering each layer's weights."""
     validate_exits(exits, cfg.num_layers)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    h = model.embed_tokens(params, cfg, tokens)
+    pin = (lambda x: x) if hidden_sharding is None else (
+        lambda x: jax.lax.with_sharding_constraint(x, hidden_sharding))
+    h = pin(model.embed_tokens(params, cfg, tokens))
     hidden, start = [], 0
     # a few static segments, not a loop over layers: each is one scan
     for end in sorted(set(exits) | ({frozen_layers} if 0 < frozen_layers < exits[-1] else set())):
@@ -104,6 +113,7 @@ def multi_exit_hidden(params: dict, cfg: ModelConfig, exits: tuple[int, ...], to
             layers = jax.lax.stop_gradient(model.layer_slice(params, start, end))
         h, _ = model.run_layers(params, cfg, h, positions, start, end, None, segment_ids, remat,
                                 layers=layers)
+        h = pin(h)
         if end == frozen_layers:
             h = jax.lax.stop_gradient(h)
         if end in exits:
@@ -167,9 +177,41 @@ def _exit_sums(params: dict, cfg: ModelConfig, h, targets, loss_mask, head_ids=N
 # Saves only the exit's hidden state for the backward pass; the logits are recomputed.
 _exit_sums_remat = jax.checkpoint(_exit_sums, static_argnums=(1,))
 
+# Tokens of a row scored at once by the exit losses: a piece's float32 logits, their
+# softmax, the KD term's target logits and the logits' gradient are what the loss holds
+# (4 x [B, 256, V] instead of 4 x [B, T, V]: at 16 x 1024 rows and Vicuna's 32000 rows
+# split over 8 chips, 0.25 GiB a chip instead of 1 GiB; that step's peak lies in the
+# layers' backward pass, so it drops 0.05 GiB, more with a larger vocabulary or more rows
+# a chip).
+LOSS_CHUNK = 256
+
+
+def loss_pieces(seq_len: int, chunk: int | None = None) -> int:
+    """How many equal pieces a row of `seq_len` tokens is scored in: the fewest that are
+    each at most `chunk` (default LOSS_CHUNK) long (a divisor of seq_len, so no padding
+    is scored)."""
+    chunk = chunk or LOSS_CHUNK
+    return next(n for n in range(-(-seq_len // chunk), seq_len + 1) if seq_len % n == 0)
+
+
+# The exit and piece loops as loops; train/aot.py's compiler step estimate unrolls them
+# (XLA's cost analysis counts a loop body once: 5 exits x 4 pieces would count as one).
+LOSS_UNROLL = 1
+
+
+def _map(f, xs):
+    """lax.map(f, xs), unrolled LOSS_UNROLL iterations at a time."""
+    return jax.lax.scan(lambda c, x: (c, f(x)), None, xs, unroll=LOSS_UNROLL)[1]
+
+
+def _pieces(x, n: int):
+    """[B, T, ...] -> [n, B, T / n, ...]: piece i is tokens [i T/n, (i + 1) T/n) of every row."""
+    B, T = x.shape[:2]
+    return x.reshape(B, n, T // n, *x.shape[2:]).swapaxes(0, 1)
+
 
 def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "none",
-              head_ids=None, frozen_layers: int = 0):
+              head_ids=None, frozen_layers: int = 0, hidden_sharding=None):
     """Per-exit (CE sums [E], correct counts [E], distillation CE sums [E]) over the masked
     tokens of `batch`.
 
@@ -182,15 +224,24 @@ def soft_sums(params: dict, cfg: ModelConfig, exits, batch: dict, remat: str = "
     through them); the caller keeps the final norm and head frozen with them.
     """
     hidden = multi_exit_hidden(params, cfg, exits, batch["inputs"], batch.get("positions"),
-                               batch.get("segment_ids"), remat, frozen_layers)
+                               batch.get("segment_ids"), remat, frozen_layers, hidden_sharding)
     mask = batch["loss_mask"].astype(jnp.float32)
     teacher = batch.get("teacher_hidden")
 
-    # A scan over the exits (not a Python loop): the LM head is gathered and its gradient
-    # accumulated once per iteration instead of being materialised once per exit.
+    # A scan over the exits and, inside it, over pieces of the rows (loss_pieces; not
+    # Python loops): one piece's logits live at a time, recomputed piece by piece in the
+    # backward pass (fn is _exit_sums_remat), and the LM head's gradient accumulates in the
+    # loop's carry instead of being materialised once per exit.
+    n = loss_pieces(mask.shape[1])
+    rows = (_pieces(batch["targets"], n), _pieces(mask, n),
+            None if teacher is None else _pieces(teacher, n))
+
     def sums(fn, hs):
-        return jax.lax.map(lambda h: fn(params, cfg, h, batch["targets"], mask, head_ids,
-                                        teacher), jnp.stack(hs))
+        def exit_sums(h):
+            per_piece = _map(lambda p: fn(params, cfg, p[0], p[1], p[2], head_ids, p[3]),
+                             (_pieces(h, n), *rows))
+            return tuple(jnp.sum(x, axis=0) for x in per_piece)
+        return _map(exit_sums, jnp.stack(hs))
 
     n_frozen = sum(e <= frozen_layers for e in exits)
     if not n_frozen:
@@ -209,7 +260,7 @@ def loss_tokens(batch: dict):
 
 def soft_objective(params: dict, cfg: ModelConfig, exits, batch: dict, weights, total_tokens,
                    remat: str = "none", head_ids=None, kd_weight: float = 0.0,
-                   frozen_layers: int = 0):
+                   frozen_layers: int = 0, hidden_sharding=None):
     """THE SoFT objective (training and evaluation both use it): the `weights`-weighted mean
     over exits of each exit's (1 - kd_weight) hard CE + kd_weight distillation CE, summed
     over the masked tokens of `batch` and divided by `total_tokens`.
@@ -221,7 +272,8 @@ def soft_objective(params: dict, cfg: ModelConfig, exits, batch: dict, weights, 
     """
     w = jnp.asarray([wi if e > frozen_layers else 0.0 for e, wi in zip(exits, weights)],
                     jnp.float32)
-    ce, correct, kd = soft_sums(params, cfg, exits, batch, remat, head_ids, frozen_layers)
+    ce, correct, kd = soft_sums(params, cfg, exits, batch, remat, head_ids, frozen_layers,
+                                hidden_sharding)
     per_exit = (1.0 - kd_weight) * ce + kd_weight * kd
     loss = jnp.sum(w * per_exit) / total_tokens / jnp.sum(w)
     return loss, (ce, correct, kd)

@@ -19,14 +19,18 @@ def train_step_report(config_path: str, target: str | None = None,
     `throughput` (an accelerator of throughput.ACCELERATORS) the estimate of its tokens a
     minute at utilisation `mfu`. `devices`: compile for these (a TPU topology's
     compile-only devices, parallel/topology.py) instead of jax.devices(); the TPU
-    compiler's own step time and the tokens a second it implies are then added."""
+    compiler's own step time, the tokens a second it implies, the model's flops and the
+    MFU at that time are then added."""
     import jax
 
     from s2d_jax.config import load_model_config
     from s2d_jax.train.config import load_train_config
     from s2d_jax.train.loop import _with_dtypes, compile_step_aot, draft_of_target
 
-    tc = load_train_config(config_path, list(overrides))
+    # --target-config gives the shapes: a config whose model.path a pipeline fills in
+    # (engine_h100.yaml) compiles without one (a model.path override still wins)
+    tc = load_train_config(config_path, ([f"model.path={target}"] if target else [])
+                           + list(overrides))
     target = target or tc.model.path
     if not os.path.exists(target):
         raise S2DError(f"target config {target} does not exist; pass --target-config with a "
@@ -53,18 +57,27 @@ def train_step_report(config_path: str, target: str | None = None,
     return lines
 
 
-def estimate_lines(tc, cfg, exits, device: str, mfu: float, cache_tokens: int) -> list[str]:
-    """throughput.throughput_lines for this config: its head's rows (draft.head_vocab), its
-    KD term (draft.kd_weight > 0) and its frozen tied head."""
+# device_kind of a compile-only TPU -> its throughput.ACCELERATORS entry (the MFU's peak)
+TPU_PEAKS = {"TPU v5": "tpu-v5p", "TPU v5p": "tpu-v5p", "TPU v5 lite": "tpu-v5e"}
+
+
+def model_flops(tc, cfg, exits):
+    """throughput.train_flops_per_token for this config: its head's rows
+    (draft.head_vocab), its KD term (draft.kd_weight > 0) and its frozen tied head."""
     from s2d_jax.model.sorted_draft import read_head_vocab
-    from s2d_jax.train.throughput import throughput_lines, train_flops_per_token
+    from s2d_jax.train.throughput import train_flops_per_token
     rows = len(read_head_vocab(tc.draft.head_vocab, cfg.vocab_size)) if tc.draft.head_vocab \
         else None
     frozen = cfg.tie_word_embeddings and "embed" in tc.optimizer.frozen
-    flops = train_flops_per_token(cfg, exits, tc.data.seq_len, rows, tc.draft.kd_weight > 0,
-                                  frozen)
-    return throughput_lines(flops, tc.data.batch_size * tc.data.seq_len, device, mfu,
-                            cache_tokens)
+    return train_flops_per_token(cfg, exits, tc.data.seq_len, rows, tc.draft.kd_weight > 0,
+                                 frozen)
+
+
+def estimate_lines(tc, cfg, exits, device: str, mfu: float, cache_tokens: int) -> list[str]:
+    """throughput.throughput_lines for this config (model_flops)."""
+    from s2d_jax.train.throughput import throughput_lines
+    return throughput_lines(model_flops(tc, cfg, exits), tc.data.batch_size * tc.data.seq_len,
+                            device, mfu, cache_tokens)
 
 
 def memory_lines(m) -> list[str]:
@@ -80,23 +93,25 @@ def memory_lines(m) -> list[str]:
 
 def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
     """The TPU compiler's estimate of a step and the tokens a second it implies. XLA's cost
-    analysis counts a loop body once (the layer scan: one layer; gradient accumulation: one
-    micro-batch), so one micro-batch is compiled again with grad_accum 1 and the layers
-    unrolled, and its estimate (round_cost.compiler_seconds) taken grad_accum times."""
+    analysis counts a loop body once (the layer scan: one layer; the exit losses: one exit's
+    piece; gradient accumulation: one micro-batch), so one micro-batch is compiled again
+    with grad_accum 1 and the layers and exit losses unrolled, and its estimate
+    (round_cost.compiler_seconds) taken grad_accum times."""
     import dataclasses
 
     from s2d_jax.decode.round_cost import compiler_seconds
-    from s2d_jax.model import layers
+    from s2d_jax.model import layers, sorted_draft
     from s2d_jax.train.loop import compile_step_aot
     accum = max(tc.optimizer.grad_accum_steps, 1)
     micro = dataclasses.replace(
         tc, data=dataclasses.replace(tc.data, batch_size=tc.data.batch_size // accum),
         optimizer=dataclasses.replace(tc.optimizer, grad_accum_steps=1))
-    saved, layers.TRAIN_UNROLL = layers.TRAIN_UNROLL, True
+    saved = layers.TRAIN_UNROLL, sorted_draft.LOSS_UNROLL
+    layers.TRAIN_UNROLL = sorted_draft.LOSS_UNROLL = True
     try:
         compiled, _, t_compile = compile_step_aot(micro, cfg, exits, devices)
     finally:
-        layers.TRAIN_UNROLL = saved
+        layers.TRAIN_UNROLL, sorted_draft.LOSS_UNROLL = saved
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     s = compiler_seconds(compiled, ca)
@@ -105,7 +120,19 @@ def compiler_step_lines(tc, cfg, exits, devices) -> list[str]:
                 f"{ca.get('optimal_seconds')})"]
     step = accum * s
     tokens = tc.data.batch_size * tc.data.seq_len  # a step's rows, over its micro-batches
-    return [f"the TPU compiler's step estimate: {1e3 * step:.1f} ms ({accum} micro-batches x "
-            f"{1e3 * s:.1f} ms, layers unrolled; {(ca.get('flops') or 0) / 1e12:.2f} TFLOP a "
-            f"micro-batch per chip; its compile {t_compile:.1f} s): {tokens / step:,.0f} tokens a "
-            f"second on these {len(devices)} chips"]
+    lines = [f"the TPU compiler's step estimate: {1e3 * step:.1f} ms ({accum} micro-batches x "
+             f"{1e3 * s:.1f} ms, layers and exit losses unrolled; "
+             f"{(ca.get('flops') or 0) / 1e12:.2f} TFLOP a micro-batch per chip; its compile "
+             f"{t_compile:.1f} s): {tokens / step:,.0f} tokens a second on these {len(devices)} "
+             f"chips"]
+    # the model's flops (a formula: what the step must compute, not what XLA counts, which
+    # includes rematerialisation) over the compiler's time: its model-flops utilisation
+    flops = model_flops(tc, cfg, exits).total * tokens / accum / len(devices)
+    lines.append(f"model flops a micro-batch per chip: {flops / 1e12:.4g} TFLOP")
+    accelerator = TPU_PEAKS.get(devices[0].device_kind)
+    if accelerator:
+        from s2d_jax.train.throughput import ACCELERATORS
+        peak = ACCELERATORS[accelerator][1]
+        lines.append(f"MFU at the compiler's time: {flops / (s * peak):.3g} (peak "
+                     f"{peak / 1e12:.0f} TFLOP/s a chip, {accelerator})")
+    return lines

@@ -33,9 +33,9 @@ from s2d_jax.train.data import batch_fingerprint, make_train_iterator
 from s2d_jax.train.finite import FiniteWatch
 from s2d_jax.train.hooks import MetricsLog, ProgressBar, close_all, crash_after
 from s2d_jax.parallel.mesh import make_mesh
-from s2d_jax.train.step import (BATCH_KEYS, abstract_state, batch_sharding, frozen_paths,
-                                global_batch, make_init_fn, make_optimizer, make_train_step,
-                                state_shardings)
+from s2d_jax.train.step import (BATCH_KEYS, TEACHER_KEY, abstract_state, batch_sharding,
+                                frozen_paths, global_batch, make_init_fn, make_optimizer,
+                                make_train_step, state_shardings)
 
 def _with_dtypes(cfg: ModelConfig, tc: TrainConfig) -> ModelConfig:
     kw = {k: v for k, v in (("dtype", tc.model.dtype), ("param_dtype", tc.model.param_dtype)) if v}
@@ -378,6 +378,9 @@ def export_draft(tc: TrainConfig, cfg: ModelConfig, exits, params, head_ids=None
 def compile_step_aot(tc: TrainConfig, cfg: ModelConfig, exits, devices=None, total_steps=1000):
     """Lower and compile the training step on abstract shapes (nothing allocated).
 
+    The step `prepare` builds for `tc`: with draft.kd_weight > 0 its batches carry the
+    target's float16 states [B, T, D] (data/pipeline.py) and its loss the KD term, with
+    draft.head_vocab its head is that sub-vocabulary.
     Returns (compiled, lower_seconds, compile_seconds); `compiled.memory_analysis()` gives
     per-device argument/output/temp/code bytes.
     """
@@ -385,12 +388,18 @@ def compile_step_aot(tc: TrainConfig, cfg: ModelConfig, exits, devices=None, tot
     check_divisible(cfg, tc.mesh, "model")
     check_batch(tc)
     weights = tc.draft.resolved_weights(len(exits))
+    head_ids = (read_head_vocab(tc.draft.head_vocab, cfg.vocab_size) if tc.draft.head_vocab
+                else None)
     tx, shardings, _, step_fn = build_step(cfg, exits, weights, tc.optimizer,
-                                           tc.optimizer.total_steps or total_steps, mesh, tc.remat)
+                                           tc.optimizer.total_steps or total_steps, mesh, tc.remat,
+                                           head_ids, tc.draft.kd_weight)
     bsh = batch_sharding(mesh)
     shape = (tc.data.batch_size, tc.data.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, "float32" if k == "loss_mask" else "int32",
                                      sharding=bsh) for k in BATCH_KEYS}
+    if tc.draft.kd_weight > 0:
+        batch[TEACHER_KEY] = jax.ShapeDtypeStruct(shape + (cfg.hidden_size,), "float16",
+                                                  sharding=bsh)
     t0 = time.perf_counter()
     lowered = step_fn.lower(abstract_state(cfg, tx, shardings), batch)
     t1 = time.perf_counter()

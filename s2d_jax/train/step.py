@@ -229,12 +229,14 @@ def make_train_step(cfg: ModelConfig, exits: tuple[int, ...], weights: tuple[flo
     `head_ids`: train a sub-vocabulary head (sorted_draft.soft_sums); `kd_weight`: the
     share of distillation on the target's distribution (batches then carry TEACHER_KEY)."""
     micro_sharding = NamedSharding(mesh, partition_spec((None, "batch", "seq")))
+    # the layers' states split by rows like the batch (sorted_draft.multi_exit_hidden)
+    hidden_sharding = NamedSharding(mesh, partition_spec(("batch", "seq", None)))
     head = None if head_ids is None else np.asarray(head_ids, np.int32)
 
     def loss_fn(params, micro, total_tokens):
         return soft_objective(stop_frozen_gradients(params, frozen), cfg, exits, micro, weights,
                               total_tokens, remat, None if head is None else jnp.asarray(head),
-                              kd_weight, frozen_layers)
+                              kd_weight, frozen_layers, hidden_sharding)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
