@@ -90,7 +90,11 @@ def devices(name: str) -> list:
     """The compile-only devices of topology `name` (e.g. v5p:2x2x2, v5e:4x4, v6e:2x4, or
     h100:8 for 8 H100s)."""
     prepare(name)
+    import jax
     from jax.experimental import topologies
+    # compile-only programs cannot be read back without the devices' client (JAX warns on
+    # every read of the persistent cache): none is written or read for them
+    jax.config.update("jax_enable_compilation_cache", False)
     gpu = _GPU.match(name)
     try:
         if gpu:
