@@ -84,3 +84,25 @@ def test_greedy_decoding_is_unchanged_with_the_kernel(method, exits, gamma, monk
     assert calls, "the kernel was not traced"
     for p, o in zip(PROMPTS, out):
         assert o["token_ids"] == reference(tuple(p)), (method, p)
+
+
+def test_gpu_programs_alone_get_the_gpu_compiler_options():
+    """engine's decode programs: GPU_COMPILER_OPTIONS (one-pass GEMMs) for a top-level call
+    on GPU devices; a plain jit on other devices and inside another trace (JAX refuses
+    compiler options on a nested jit: the server's eval_shape of a prefill)."""
+    import types
+
+    from s2d_jax.decode import engine
+    program = engine.prefill
+
+    def chain_on(platform):
+        device = types.SimpleNamespace(platform=platform)
+        return types.SimpleNamespace(mesh=types.SimpleNamespace(
+            devices=np.array([device], dtype=object)))
+    x = jnp.ones(3)
+    assert program._for((x,), {"chain": chain_on("gpu")}) is program._gpu
+    assert program._for((x,), {"chain": chain_on("tpu")}) is program._plain
+    assert program._for((x,), {"chain": types.SimpleNamespace(mesh=None)}) is program._plain
+    seen = []
+    jax.eval_shape(lambda y: seen.append(program._for((y,), {"chain": chain_on("gpu")})) or y, x)
+    assert seen == [program._plain]

@@ -1,5 +1,5 @@
-"""SIGTERM / Ctrl-C end a CLI within seconds even inside an XLA compile (errors.cli_main's
-hard stop): Python runs a signal's handler on the main thread between bytecodes only, so
+"""SIGTERM / Ctrl-C end a CLI within seconds even inside an XLA compile (errors.cli_main
+exits at once after a real signal): Python runs a signal's handler on the main thread between bytecodes only, so
 without it a stop waits for the compile to finish (tens of seconds for SmolLM2 here)."""
 
 import os
@@ -28,8 +28,11 @@ def _stop_at_compile(code: str, sig, tmp_path) -> tuple[int, str, float]:
     """Run `code` (after _HOOK), send `sig` at its first compile -> (rc, stderr, seconds
     from the signal to the exit)."""
     env = {**os.environ, "S2D_COMPILE_CACHE": str(tmp_path / "xla")}  # empty: compiles
+    # SIGINT at its default in the child: a shell's background job (CI run with `&`) starts
+    # with it ignored, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-c", _HOOK + code], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     for line in proc.stderr:
         lines.append(line)

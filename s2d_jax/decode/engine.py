@@ -138,19 +138,46 @@ def _generate(draft_params, target_params, prompts, prompt_lens, dp: DecodeParam
 # block's partial sums to HBM in f32 for a reduce to read back (split-K): at a verify window
 # of 8 rows x 5 tokens that is 15% more than the weight's own bytes for each MLP matrix of a
 # 70B layer split 8 ways (docs/distributed.md). One pass reads each weight once (a choice
-# by bytes, not yet timed on a GPU). A GPU option that XLA:CPU and XLA:TPU ignore.
-DECODE_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
+# by bytes, not yet timed on a GPU). Compiler options of GPU programs only.
+GPU_COMPILER_OPTIONS = {"xla_gpu_experimental_force_split_k": 1}
 
 
-def _jit_per_chain(fn, **jit_kw):
+class _PerChain:
+    """A decode function jitted per chain: called (or lowered) at the top level for GPU
+    devices, with GPU_COMPILER_OPTIONS; anywhere else (CPU, TPU, or inside another trace,
+    where JAX takes no compiler options) as a plain jit."""
+
+    def __init__(self, fn, **jit_kw):
+        @functools.wraps(fn)
+        def traced(*args, chain: Chain, **kwargs):
+            with chain.kernel_scope():
+                return fn(*args, chain=chain, **kwargs)
+        self._plain = jax.jit(traced, static_argnames=("chain",), **jit_kw)
+        self._gpu = jax.jit(traced, static_argnames=("chain",),
+                            compiler_options=dict(GPU_COMPILER_OPTIONS), **jit_kw)
+        functools.update_wrapper(self, fn)
+
+    def _for(self, args, kwargs):
+        chain = kwargs["chain"]
+        platform = (chain.mesh.devices.flat[0].platform if chain.mesh is not None
+                    else jax.default_backend())
+        nested = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return self._gpu if platform in ("gpu", "cuda", "rocm") and not nested else self._plain
+
+    def __call__(self, *args, **kwargs):
+        return self._for(args, kwargs)(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        return self._for(args, kwargs).lower(*args, **kwargs)
+
+    def _cache_size(self) -> int:
+        return self._plain._cache_size() + self._gpu._cache_size()
+
+
+def _jit_per_chain(fn, **jit_kw) -> _PerChain:
     """fn jitted with `chain` static (one program per chain and shapes), traced in the
-    chain's kernel scope (Chain.kernel_scope), compiled with DECODE_COMPILER_OPTIONS."""
-    @functools.wraps(fn)
-    def traced(*args, chain: Chain, **kwargs):
-        with chain.kernel_scope():
-            return fn(*args, chain=chain, **kwargs)
-    return jax.jit(traced, static_argnames=("chain",),
-                   compiler_options=dict(DECODE_COMPILER_OPTIONS), **jit_kw)
+    chain's kernel scope (Chain.kernel_scope); GPU programs with GPU_COMPILER_OPTIONS."""
+    return _PerChain(fn, **jit_kw)
 
 
 generate = _jit_per_chain(_generate)
