@@ -142,7 +142,10 @@ def test_libtpu_kept_apart_is_found_and_a_wrong_path_is_one_error(monkeypatch, t
     TPU_LIBRARY_PATH for --topology; naming no file is one error and sets nothing."""
     from s2d_jax.errors import S2DError
     from s2d_jax.parallel import topology
-    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    # set, then deleted: monkeypatch then removes what prepare() sets (a delenv of an unset
+    # name records nothing, and later tests' children would compile with the empty file)
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "")
+    monkeypatch.delenv("TPU_LIBRARY_PATH")
     monkeypatch.setenv("S2D_LIBTPU_PATH", str(tmp_path / "missing.so"))
     with pytest.raises(S2DError, match="S2D_LIBTPU_PATH=.* is no file"):
         topology.prepare("v5e:2x2")
