@@ -42,17 +42,11 @@ def cache_dir() -> str | None:
     if raw is None:
         from s2d_jax.env import cache_root
         return os.path.join(cache_root(), "xla")
-    value = raw.strip()
-    if value.lower() in _OFF:
+    if raw.strip().lower() in _OFF:
         return None
-    from s2d_jax.readers import expand_path
-    path = expand_path(value)
-    if not value or not os.path.isabs(path):
-        raise S2DError(f"{ENV}={raw!r} is not an absolute path; set a directory, or 0 to "
-                       f"turn the compilation cache off")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise S2DError(f"{ENV}={raw!r} is a file, not a directory; set a directory")
-    return path
+    from s2d_jax.env import directory_setting
+    return directory_setting(ENV, raw, "set an absolute path, or 0 to turn the compilation "
+                                       "cache off")
 
 
 def machine_key() -> str:

@@ -28,10 +28,17 @@ def cache_root() -> str:
     raw = os.environ.get("S2D_JAX_CACHE")
     if raw is None:
         return os.path.join(os.path.expanduser("~"), ".cache", "s2d-jax")
-    name = f"S2D_JAX_CACHE={raw!r}"
+    return directory_setting("S2D_JAX_CACHE", raw, "unset it (the cache is then "
+                             "~/.cache/s2d-jax) or set it to a directory")
+
+
+def directory_setting(var: str, raw: str, if_empty: str) -> str:
+    """The directory an environment variable names (~ and $VARS expanded), checked as a
+    flag is: not empty (`if_empty` says what to do instead), nothing left unexpanded,
+    absolute (a relative one would move with the working directory), not a file."""
+    name = f"{var}={raw!r}"
     if not raw.strip():
-        raise S2DError("S2D_JAX_CACHE is set but empty; unset it (the cache is then "
-                       "~/.cache/s2d-jax) or set it to a directory")
+        raise S2DError(f"{var} is set but empty; {if_empty}")
     path = expand_path(raw.strip())
     if "$" in path or path.startswith("~"):
         raise S2DError(f"{name} holds an unexpanded {'$VAR' if '$' in path else '~'}; set it "
