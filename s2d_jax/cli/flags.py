@@ -230,8 +230,9 @@ FLAGS: dict[str, Flag] = {
                             default="data/demo_calibration.jsonl")),
             "agreement": variant("agreement measures SmolLM2 drafts on their held-out "
                                  "questions", default="data/smollm2_calibration.jsonl"),
-            "serve-bench": variant("the load benchmark sends Spec-Bench's prompts (their "
-                                   "first turns)", default="data/spec_bench_question.jsonl")}),
+            **_each("serve-bench peer-bench",
+                    variant("these benchmarks send Spec-Bench's prompts (their first turns)",
+                            default="data/spec_bench_question.jsonl"))}),
     "--max-prompts": _flag(
         type=int, default=None,
         help="prompts to use at most, round-robin over tasks (default: all)",
@@ -242,7 +243,10 @@ FLAGS: dict[str, Flag] = {
                             help="prompts to use at most, round-robin over tasks")),
             "agreement": variant("a dozen prompts give the agreement within a percent or so",
                                  default=12,
-                                 help="prompts to use at most, round-robin over tasks")}),
+                                 help="prompts to use at most, round-robin over tasks"),
+            "peer-bench": variant("the side-by-side set of issue 71: 2 per Spec-Bench task",
+                                  default=12,
+                                  help="prompts to use at most, round-robin over tasks")}),
     "--categories": _flag(default=None,
                           help="comma-separated categories or tasks to keep (default: all)"),
     "--methods": _flag(
@@ -253,7 +257,10 @@ FLAGS: dict[str, Flag] = {
                   "serve-bench": variant("each method is a server compiled in turn (s2d "
                                          "serves the calibrated setting): AR against "
                                          "speculation is the comparison it is for",
-                                         default="ar,s2d")}),
+                                         default="ar,s2d"),
+                  "peer-bench": variant("it compares with llama.cpp's AR this project's AR "
+                                        "and the methods that pay on a CPU (auto: the "
+                                        "calibrated choice)", default="ar,lookup,auto,ladder")}),
     "--repeats": _flag(
         type=int, default=1,
         help="timed passes; each item's median is kept (a slow spell of the machine hits "
@@ -261,7 +268,10 @@ FLAGS: dict[str, Flag] = {
         variants={"calibrate": variant("candidates often differ by a few percent, about the "
                                        "noise of one run", default=3),
                   "matmul-bench": variant("one call takes microseconds: the median of many",
-                                          default=15)}),
+                                          default=15),
+                  "peer-bench": variant("two runtimes side by side on a shared machine: two "
+                                        "passes give each prompt a second chance",
+                                        default=2)}),
     "--cost-samples": _flag(
         type=int, default=5, help="timed samples of every round-cost probe before ranking",
         variants={"calibrate-lookup": variant("its probes (no draft exits) are fewer and "

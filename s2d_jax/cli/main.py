@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "cache": ("infer.cache", "the compilation cache: its size, --clear empties it"),
     "convert": ("infer.convert", "HF <-> params checkpoint / GGUF / draft pack"),
     "bench": ("infer.bench", "Spec-Bench-style benchmark: speedup, accepted tokens"),
+    "peer-bench": ("infer.peer_bench", "llama.cpp beside this project on one GGUF"),
     "calibrate": ("infer.calibrate", "choose S2D's exits, thresholds and gamma per target"),
     "calibrate-lookup": ("infer.calibrate_lookup", "choose the lookup rung's and ladder's setting"),
     "agreement": ("infer.agreement", "held-out agreement of drafts with a target"),

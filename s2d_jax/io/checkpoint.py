@@ -19,7 +19,7 @@ import numpy as np
 
 from s2d_jax.config import ModelConfig, read_hf_config
 from s2d_jax.errors import S2DError
-from s2d_jax.io import draft_pack, gguf, hf, orbax_params
+from s2d_jax.io import draft_pack, gguf, gguf_weights, hf, orbax_params
 from s2d_jax.readers import expand_path
 
 
@@ -66,6 +66,8 @@ def load_model(path: str, num_layers: int | None = None, dtype=None, shardings=N
         raise S2DError(f"{path} is a draft pack: it lacks the weights it shares with its "
                        f"target; pass it as --draft next to its target (load_draft), or "
                        f"make a full model with python -m infer.convert unpack-draft")
+    if gguf_weights.is_quantized_dir(path):  # a GGUF's quantization kept (gguf_weights.py)
+        return gguf_weights.load_quantized_dir(path, num_layers, dtype, shardings)
     return hf.load_hf(path, num_layers, dtype, shardings)
 
 
@@ -94,10 +96,24 @@ def load_draft(path: str, target, dtype=None, shardings=None
     if os.path.isdir(path) and draft_pack.is_draft_pack(path):
         if isinstance(target, str):  # only the shared weights are needed: one layer
             target = load_model(target, num_layers=1)[1]
+        target = _shared_of_quantized(target, draft_pack.read_pack_config(path)[0])
         cfg, params, extra = draft_pack.load_draft_pack(path, target, dtype, shardings)
     else:
         cfg, params, extra = load_model(path, dtype=dtype, shardings=shardings)
     return cfg, _with_head_ids(params, cfg, extra, path), extra
+
+
+def _shared_of_quantized(target, cfg: ModelConfig):
+    """A target whose head is kept quantized (gguf_weights: a tied table becomes a float
+    embedding beside a QuantizedWeight head of the same values): a tied draft takes only
+    the embedding, an untied one the head's float values."""
+    from s2d_jax.model.quantize import QuantizedWeight
+    head = target.get("lm_head") if isinstance(target, dict) else None
+    if not isinstance(head, QuantizedWeight):
+        return target
+    if cfg.tie_word_embeddings:
+        return {k: v for k, v in target.items() if k != "lm_head"}
+    return {**target, "lm_head": head.astype(jnp.float32)}
 
 
 def _with_head_ids(params: dict, cfg: ModelConfig, extra: dict, source: str) -> dict:

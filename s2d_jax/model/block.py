@@ -44,9 +44,10 @@ def dense(eq: str, x: jnp.ndarray, w, dt, kernel: bool = False, extra: int = 1) 
     if getattr(w, "act_bits", 0):
         return w.matmul(x).astype(dt)
     x_spec, w_spec = eq.split("->")[0].split(",")
+    w = w.astype(dt)  # a quantized weight dequantized (it has no .size for few_rows)
     if few_rows(x, w, sum(c in x_spec for c in w_spec)):
-        return gemm_rows(eq, x, w.astype(dt), extra)
-    return jnp.einsum(eq, x, w.astype(dt))
+        return gemm_rows(eq, x, w, extra)
+    return jnp.einsum(eq, x, w)
 
 
 def out_projection(attn: jnp.ndarray, wo, dt, kernel: bool) -> jnp.ndarray:

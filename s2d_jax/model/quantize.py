@@ -8,13 +8,17 @@ w_gate/w_up [D | F], w_down [F | D], lm_head [D | V]. A `QuantizedWeight` stores
 input rows (`scale [..., in/group, 1, out]`):
   int8: one group over the whole input dim (per-output-channel scales), values in [-127, 127];
   int4: groups of `group` input rows, values in [-8, 7], two per byte (uint8 `q [..., in/2, out]`).
+  GGUF's blocks (io/gguf_weights.py) in the same layout, group 32: Q8_0 as int8, Q4_0 as
+  int4, Q4_1 as int4 of unsigned values [0, 15] with an `offset` beside the scale.
 `QuantizedWeight.astype(dtype)` dequantizes, so model.py's `lp["wq"].astype(dt)` works
 unchanged; its leaves keep the leading layer axis, so `layer_slice` and `lax.scan` slice
 them like plain arrays. Norms and the embedding table (a gather, and ~2% of a 7B model)
 stay in full precision.
 
-  int8 / int4 (weight-only) save memory (params bytes); the weight is dequantized before
-    each matmul.
+  int8 / int4 (weight-only) save memory (params bytes). On the CPU decode path (a few rows:
+    steps, verify windows, draft steps) the small-matmul kernels read them as stored
+    (small_matmul.py; 8/4-bit blocks: quant_matmul.cc); elsewhere the weight is dequantized
+    before each matmul.
   w8a8 (the int8 weights of int8, plus int8 activations quantized per token on the fly,
     symmetric absmax, as in the polybasic paper's W4A4 intermediate) multiplies int8 by
     int8 into int32 (`QuantizedWeight.matmul`). It is lossy twice (weights and
@@ -49,15 +53,23 @@ class QuantizedWeight:
     group: int = struct.field(pytree_node=False)
     bits: int = struct.field(pytree_node=False)
     act_bits: int = struct.field(pytree_node=False, default=0)  # 8: int8 activations (w8a8)
+    # float32 like scale, or None: an asymmetric int4 weight (GGUF Q4_1) stores UNSIGNED
+    # nibbles 0..15 and w = scale * q + offset; None: w = scale * q (signed q).
+    offset: jnp.ndarray | None = None
 
     def astype(self, dtype) -> jnp.ndarray:
         """The dequantized weight in `dtype`, with any leading (layer) axes kept."""
         lead = self.scale.shape[:-3]
-        q = _unpack_int4(self.q) if self.bits == 4 else self.q
+        if self.bits == 4:
+            q = _unpack_int4(self.q, signed=self.offset is None)
+        else:
+            q = self.q
         n_in, n_out = q.shape[-2], q.shape[-1]
         grouped = q.reshape(lead + (n_in // self.group, self.group, n_out)).astype(jnp.float32)
-        w = (grouped * self.scale).reshape(lead + tuple(self.shape))
-        return w.astype(dtype)
+        w = grouped * self.scale
+        if self.offset is not None:
+            w = w + self.offset
+        return w.reshape(lead + tuple(self.shape)).astype(dtype)
 
     def matmul(self, x: jnp.ndarray) -> jnp.ndarray:
         """x [..., in axes] @ W -> float32 [..., out axes] as an int8 x int8 -> int32 matmul
@@ -77,7 +89,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return self.q.nbytes + self.scale.nbytes + (0 if self.offset is None
+                                                    else self.offset.nbytes)
 
 
 def _pack_int4(q: jnp.ndarray) -> jnp.ndarray:
@@ -86,11 +99,12 @@ def _pack_int4(q: jnp.ndarray) -> jnp.ndarray:
     return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
 
 
-def _unpack_int4(packed: jnp.ndarray) -> jnp.ndarray:
+def _unpack_int4(packed: jnp.ndarray, signed: bool = True) -> jnp.ndarray:
     lo = (packed & 0xF).astype(jnp.int8)
     hi = (packed >> 4).astype(jnp.int8)
     both = jnp.stack([lo, hi], axis=-2)  # [..., in/2, 2, out]
-    both = jnp.where(both >= 8, both - 16, both)  # sign-extend the 4-bit values
+    if signed:
+        both = jnp.where(both >= 8, both - 16, both)  # sign-extend the 4-bit values
     return both.reshape(packed.shape[:-2] + (2 * packed.shape[-2], packed.shape[-1]))
 
 

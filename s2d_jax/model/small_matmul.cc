@@ -14,11 +14,10 @@
 // No -ffast-math: the compiler may not reorder the sums; -ffp-contract=off: it may not fuse
 // a multiply-add on its own either (every one is an explicit `fmadd`, cpu_vector.h).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 
+#include "cpu_chunks.h"
 #include "cpu_vector.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -26,7 +25,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using s2d_cpu::cpu_relax;
 using s2d_cpu::fmadd;
 using s2d_cpu::lane_sum;
 using s2d_cpu::load16;  // float32; the bfloat16 and int8 loads below join the overloads
@@ -39,7 +37,6 @@ using s2d_cpu::v8;
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-constexpr int kCols = 64;      // column granularity of the threads' chunks ("kn": whole tiles)
 constexpr int kMaxRows = 8;    // rows one pass over the weights serves
 constexpr int kPrefetch = 32;  // weight rows ahead to prefetch ("kn" walks rows with stride N)
 constexpr int kNkPrefetch = 16;  // weight rows ahead to prefetch ("nk")
@@ -54,10 +51,7 @@ inline v16 load16(const uint16_t* p) {  // bfloat16 -> float32: the high half of
 }
 
 inline v16 load16(const int8_t* p) {  // int8 (a per-channel-scaled weight; scaled after)
-  typedef int8_t i8x16 __attribute__((vector_size(16)));
-  i8x16 q;
-  std::memcpy(&q, p, sizeof q);
-  return __builtin_convertvector(q, v16);
+  return __builtin_convertvector(s2d_cpu::widen16(p), v16);
 }
 
 inline float load1(const float* p) { return *p; }
@@ -175,49 +169,7 @@ void run_rows(bool nk, const float* x, const W* w, float* y, int R, int64_t K, i
 #undef S2D_CASE
 }
 
-// Work shared by the calling thread and the pool's threads: chunks of columns, each claimed
-// once through its flag. Thread s walks its own contiguous segment of chunks forward, then
-// takes what is left of the others' from their ends backward: the threads stream distant
-// parts of each weight row at once (two threads on neighbouring tiles streamed one row 13%
-// slower than on contiguous halves, a standalone probe on a 2-core AMD EPYC). A helper task
-// that starts late finds everything claimed and touches no buffer; the caller claims every
-// chunk it can and waits only for chunks already claimed.
 enum class WeightType { kF32, kBF16, kS8 };
-
-struct Work {
-  bool nk;
-  WeightType type;
-  const float* x;
-  const void* w;
-  float* y;
-  int64_t M, K, N, chunk_cols, chunks, segments;
-  std::unique_ptr<std::atomic<bool>[]> claimed;
-  std::atomic<int64_t> done{0};
-
-  void run(int64_t seg) {
-    auto begin = [this](int64_t s) { return s * chunks / segments; };
-    for (int64_t c = begin(seg); c < begin(seg + 1); ++c) claim(c);
-    for (int64_t o = 1; o < segments; ++o) {
-      int64_t s = (seg + o) % segments;
-      for (int64_t c = begin(s + 1) - 1; c >= begin(s); --c) claim(c);
-    }
-  }
-
-  void claim(int64_t c) {
-    if (claimed[c].exchange(true, std::memory_order_relaxed)) return;
-    int64_t c0 = c * chunk_cols, c1 = std::min(N, c0 + chunk_cols);
-    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-      int R = int(std::min<int64_t>(kMaxRows, M - r0));
-      if (type == WeightType::kBF16)
-        run_rows(nk, x + r0 * K, static_cast<const uint16_t*>(w), y + r0 * N, R, K, N, c0, c1);
-      else if (type == WeightType::kS8)
-        run_rows(nk, x + r0 * K, static_cast<const int8_t*>(w), y + r0 * N, R, K, N, c0, c1);
-      else
-        run_rows(nk, x + r0 * K, static_cast<const float*>(w), y + r0 * N, R, K, N, c0, c1);
-    }
-    done.fetch_add(1, std::memory_order_release);
-  }
-};
 
 ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
@@ -241,30 +193,19 @@ ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("small_matmul: layer out of range");
   size_t width = type == WeightType::kF32 ? 4 : type == WeightType::kBF16 ? 2 : 1;
   const char* base = static_cast<const char*>(w.untyped_data()) + l * K * N * width;
-
-  auto work = std::make_shared<Work>();
-  work->nk = nk;
-  work->type = type;
-  work->x = x.typed_data();
-  work->w = base;
-  work->y = y->typed_data();
-  work->M = M;
-  work->K = K;
-  work->N = N;
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // About four chunks a thread (load balance), whole register tiles, >= 64 KiB of weights
-  // each so the hand-off stays small next to the work.
-  int64_t min_cols = std::max<int64_t>(kCols, (65536 / (K * width)) / kCols * kCols);
-  int64_t cols = (N + 4 * threads - 1) / (4 * threads);
-  cols = std::max(min_cols, (cols + kCols - 1) / kCols * kCols);
-  work->chunk_cols = cols;
-  work->chunks = (N + cols - 1) / cols;
-  work->segments = std::min(threads, work->chunks);
-  work->claimed.reset(new std::atomic<bool>[work->chunks]());
-  for (int64_t t = 1; t < work->segments; ++t)
-    pool.Schedule([work, t] { work->run(t); });
-  work->run(0);
-  while (work->done.load(std::memory_order_acquire) < work->chunks) cpu_relax();
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  s2d_cpu::for_column_chunks(pool, N, double(K * width), [=](int64_t c0, int64_t c1) {
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      int R = int(std::min<int64_t>(kMaxRows, M - r0));
+      if (type == WeightType::kBF16)
+        run_rows(nk, xp + r0 * K, reinterpret_cast<const uint16_t*>(base), yp + r0 * N, R, K, N, c0, c1);
+      else if (type == WeightType::kS8)
+        run_rows(nk, xp + r0 * K, reinterpret_cast<const int8_t*>(base), yp + r0 * N, R, K, N, c0, c1);
+      else
+        run_rows(nk, xp + r0 * K, reinterpret_cast<const float*>(base), yp + r0 * N, R, K, N, c0, c1);
+    }
+  });
   return ffi::Error::Success();
 }
 

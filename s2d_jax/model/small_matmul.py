@@ -10,6 +10,14 @@ pool, through an XLA FFI custom call; it reads one layer of a stacked weight in 
 whatever the row count, so a token's projections do not depend on how many tokens
 share the call.
 
+Weight-only quantized weights (quantize.QuantizedWeight) are read as stored: per-channel
+int8 by this kernel (scaled after), 8- and 4-bit blocks with per-group scales (and Q4_1's
+offsets) by quant_matmul.cc, which dequantizes each weight vector in registers exactly as
+QuantizedWeight.astype does, once for all rows, so a step streams the quantized bytes (a
+SmolLM2-135M step at one row, Q4_1 18.9 ms against float32's 49.5, interleaved on a 2-core
+AMD EPYC Zen 4 under load 7-9: `python -m infer.matmul_bench --formats f32,Q8_0,Q4_1
+--statistic min`).
+
 It is built on first use with the system C++ compiler into `$S2D_JAX_CACHE/kernels`
 (default ~/.cache/s2d-jax), keyed by the source, jaxlib and the CPU. Without a compiler
 (or with S2D_SMALL_MATMUL=0, or on a backend other than a single CPU device) the model
@@ -19,7 +27,10 @@ By default the decode path takes the kernels only on a CPU with AVX-512: their r
 tiles (64 columns x 4 rows, 16 accumulators of 16 lanes) were sized for its 32 vector
 registers. On an AVX2 AMD EPYC (Zen 3, 16 registers of 8 lanes) the same build measured
 slower than XLA's dots at every row count (SmolLM2 step 71.8 vs 40.9 ms at 1 row, 183 vs
-54 at 2: `python -m infer.matmul_bench`, docs/results.md). S2D_SMALL_MATMUL=1 forces the
+54 at 2: `python -m infer.matmul_bench`, docs/results.md). The same holds for quantized
+weights: built for AVX2 (x86-64-v3, on the Zen 4), the Q4_1 kernel's SmolLM2 step took
+about as long as XLA's path, which dequantizes every weight each call (259 vs 265 ms at 1
+row, 387 vs 315 at 4, interleaved under load; AVX-512: 19 ms). S2D_SMALL_MATMUL=1 forces the
 kernels on any CPU; `forced()` does for one trace (tests, the matmul benchmark).
 """
 
@@ -42,10 +53,13 @@ import jax.numpy as jnp
 from flax import struct
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# One library for the CPU decode path's kernels: the matmul here and the cached attention
+# One library for the CPU decode path's kernels: the matmuls here (float and per-channel
+# int8 weights; block-quantized ones, quant_matmul.cc) and the cached attention
 # (cpu_attention.cc, called from model/attention.py), built and loaded together.
-SOURCES = tuple(os.path.join(_HERE, f) for f in ("small_matmul.cc", "cpu_attention.cc"))
-HEADERS = (os.path.join(_HERE, "cpu_vector.h"),)  # included by both: part of the cache key
+SOURCES = tuple(os.path.join(_HERE, f)
+                for f in ("small_matmul.cc", "quant_matmul.cc", "cpu_attention.cc"))
+# included by them: part of the cache key
+HEADERS = tuple(os.path.join(_HERE, f) for f in ("cpu_vector.h", "cpu_chunks.h"))
 # Rows served by the kernel (in passes of 8 over the weights); more rows (a prefill) go to
 # XLA's general matmul, which is compute-efficient there.
 MAX_ROWS = 32
@@ -53,7 +67,7 @@ MAX_ROWS = 32
 # same way in every loop, instead of where the compiler's tuning for this CPU chooses
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w"]
 _TARGETS = {"s2d_small_matmul_kn": "S2dSmallMatmulKN", "s2d_small_matmul_nk": "S2dSmallMatmulNK",
-            "s2d_decode_attention": "S2dDecodeAttention"}
+            "s2d_decode_attention": "S2dDecodeAttention", "s2d_quant_matmul": "S2dQuantMatmul"}
 
 
 @struct.dataclass
@@ -265,11 +279,24 @@ def _per_channel_int8(w) -> bool:
             and w.scale.shape[-3:-1] == (1, 1))
 
 
+def _block_quantized(w) -> bool:
+    """A quantize.QuantizedWeight quant_matmul.cc reads: weight-only, 8 bits (int8 q) or 4
+    (packed nibbles, with or without offsets), scales per group of input rows (a group
+    dividing the input dim; even for 4 bits)."""
+    bits, group = getattr(w, "bits", None), getattr(w, "group", 0)
+    if bits not in (4, 8) or w.act_bits or group <= 0:
+        return False
+    n_in = w.q.shape[-2] * (2 if bits == 4 else 1)
+    return (n_in % group == 0 and (bits == 8 or group % 2 == 0)
+            and (getattr(w, "offset", None) is None or bits == 4))
+
+
 def serves(w) -> bool:
-    """Whether the kernel reads this weight: float32 or bfloat16 arrays, or per-channel
-    int8 weight-only ones, plain or stacked (other quantized weights keep XLA's path)."""
+    """Whether a kernel reads this weight: float32 or bfloat16 arrays, or weight-only
+    quantized ones (per-channel int8, or 8/4-bit blocks; w8a8 keeps XLA's path), plain or
+    stacked."""
     arr = w.stack if isinstance(w, StackedWeight) else w
-    if _per_channel_int8(arr):
+    if _per_channel_int8(arr) or _block_quantized(arr):
         return True
     return isinstance(arr, jax.Array | jax.core.Tracer) and arr.dtype in (jnp.float32, jnp.bfloat16)
 
@@ -291,6 +318,8 @@ def matmul(x: jnp.ndarray, w, layout: str, contract: int) -> jnp.ndarray:
         out = _call(x, q.reshape(q.shape[0], K, N), index, "kn", len(k_dims), N)
         scale = jax.lax.dynamic_index_in_dim(scale, index, keepdims=False).reshape(N)
         return (out * scale).reshape(out.shape[:-1] + tuple(n_dims))
+    if _block_quantized(stack):
+        return _quant_call(x, stack, index, contract)
     if index is None:
         stack, index = stack[None], 0
     per_layer = stack.shape[1:]
@@ -302,6 +331,26 @@ def matmul(x: jnp.ndarray, w, layout: str, contract: int) -> jnp.ndarray:
     flat = stack.reshape((stack.shape[0], K, N) if layout == "kn" else (stack.shape[0], N, K))
     out = _call(x, flat, index, layout, len(k_dims), N)
     return out.reshape(out.shape[:-1] + tuple(n_dims))
+
+
+def _quant_call(x, w, index, contract: int) -> jnp.ndarray:
+    """x [..., K...] @ layer `index` (None: w is one layer) of a block-quantized weight,
+    read as stored by quant_matmul.cc -> float32 [..., N...]."""
+    q, scale, offset = w.q, w.scale, w.offset
+    if index is None:
+        q, scale, index = q[None], scale[None], 0
+        offset = None if offset is None else offset[None]
+    k_dims, n_dims = tuple(w.shape[:contract]), tuple(w.shape[contract:])
+    K, N = math.prod(k_dims), math.prod(n_dims)
+    lead = x.shape[:x.ndim - contract]
+    rows = x.reshape((-1, K)).astype(jnp.float32)
+    flat = lambda a: a.reshape(a.shape[0], -1, N)  # [L, K/G, 1, N] -> [L, K/G, N]
+    no_offset = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call("s2d_quant_matmul", jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32),
+                            vmap_method="sequential")
+    out = call(rows, flat(q), flat(scale), no_offset if offset is None else flat(offset),
+               jnp.asarray(index, jnp.int32))
+    return out.reshape(lead + n_dims)
 
 
 def _call(x, flat, index, layout: str, n_contract: int, N: int) -> jnp.ndarray:

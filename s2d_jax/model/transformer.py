@@ -91,7 +91,12 @@ def head_rows(params: dict) -> jnp.ndarray:
     if "head_rows" in params:
         return params["head_rows"]
     ids = params.get("head_ids", slice(None))
-    return params["lm_head"][:, ids].T if "lm_head" in params else params["embed"][ids]
+    if "lm_head" not in params:
+        return params["embed"][ids]
+    head = params["lm_head"]
+    if not isinstance(head, jax.Array | jax.core.Tracer):  # quantized: its values, then rows
+        head = head.astype(jnp.float32)
+    return head[:, ids].T
 
 
 def sub_vocab_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray,
