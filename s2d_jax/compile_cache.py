@@ -121,3 +121,211 @@ def clear(root: str) -> None:
             shutil.rmtree(path)
         else:
             os.remove(path)
+
+
+# --- whole executables, keyed without tracing ---------------------------------------------
+#
+# JAX's cache above keys a program by its lowered text: a second start still traces and
+# lowers every program (2 s of the README's main command) before it can look it up.
+# `compiled()` keys the executable by what makes it instead (the function, its static
+# arguments, the arguments' types and placements, this package's source, JAX's version
+# and settings, the decode scopes): a second start reads the executable with no trace.
+
+EXECUTABLES = "executables"  # their folder under program_dir()
+# the module state a decode program is traced under (the CPU kernels' choice, the decode
+# scopes): part of the key, read only where the module is loaded (tests check the names)
+TRACE_STATE = {"s2d_jax.model.small_matmul": ("_choice",),
+               "s2d_jax.model.decode_scope": ("_static_decode", "_tensor", "_fused")}
+# FFI targets a cached executable calls, by name prefix -> (module, function) that
+# registers them in this process before the executable is loaded (True: registered)
+FFI_PROVIDERS = {"s2d_": ("s2d_jax.model.small_matmul", "built")}
+_SOURCE: list[str] = []  # this package's source fingerprint, computed once
+_stats = {"hits": 0, "misses": 0}  # this process's compiled() look-ups (tests, notes)
+_LOADED: dict = {}  # its file -> the executable compiled() returned in this process
+
+
+def source_fingerprint() -> str:
+    """sha256 of every source file of the s2d_jax package (the code a program is traced
+    from, the CPU kernels' C++ included)."""
+    if not _SOURCE:
+        root = os.path.dirname(os.path.abspath(__file__))
+        h = hashlib.sha256()
+        for dirpath, dirs, names in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(names):
+                if name.endswith((".py", ".cc", ".h")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read() + b"\0")
+        _SOURCE.append(h.hexdigest())
+    return _SOURCE[0]
+
+
+def _stable(value) -> str | None:
+    """repr(value), None where it names an object's address (not the same next start)."""
+    text = repr(value)
+    return None if " at 0x" in text else text
+
+
+def _leaf_key(x) -> str | None:
+    """An array's type and placement (its values are the program's inputs); anything else
+    (a static argument such as the chain, a Python number) by its text."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return repr((type(x).__name__, tuple(x.shape), str(x.dtype),
+                     getattr(x, "weak_type", None), str(getattr(x, "sharding", None))))
+    return _stable(x)
+
+
+def executable_key(fn, args: tuple, kwargs: dict) -> str | None:
+    """The key of fn.lower(*args, **kwargs).compile() (see above); None: not cacheable
+    (a static argument or setting without a stable text)."""
+    import jax
+    from jax._src import config as jax_config
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    static = [_stable(tree)] + [_leaf_key(x) for x in leaves]  # the tree's data, the leaves
+    if None in static:
+        return None
+    state = []
+    for module, names in TRACE_STATE.items():
+        mod = sys.modules.get(module)
+        state.append([module, *[repr(getattr(mod, n, None)) if mod else None for n in names]])
+    context = [_stable(v) or type(v).__name__ for v in jax_config.trace_context()]
+    settings = {k: _stable(v) for k, v in sorted(jax.config.values.items())
+                if "cache" not in k}
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("S2D_", "JAX_", "XLA_", "TF_", "TPU_", "CUDA_", "LIBTPU"))
+           and k not in (ENV, "S2D_JAX_CACHE", "JAX_COMPILATION_CACHE_DIR")}
+    blob = repr([getattr(fn, "__module__", None), getattr(fn, "__qualname__", repr(fn)),
+                 static, state, context, settings, env,
+                 jax.__version__, source_fingerprint(), jax.default_backend(),
+                 [str(d) for d in jax.devices()]])
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _custom_calls(compiled) -> list[str]:
+    import re
+    try:
+        text = compiled.as_text()
+    except Exception:  # noqa: BLE001 - a program without text: assume none
+        return []
+    return sorted(set(re.findall(r'custom_call_target="([^"]+)"', text or "")))
+
+
+def _providers_ready(targets: list[str]) -> bool:
+    """Register the FFI targets `targets` need in this process (FFI_PROVIDERS)."""
+    import importlib
+    for prefix, (module, name) in FFI_PROVIDERS.items():
+        if any(t.startswith(prefix) for t in targets):
+            if not getattr(importlib.import_module(module), name)():
+                return False
+    return True
+
+
+def compiled(fn, *args, **kwargs):
+    """fn.lower(*args, **kwargs).compile() for a jitted fn, read from the cache's folder
+    where an earlier process compiled it under the same key (executable_key), written
+    there otherwise. The cache off (S2D_COMPILE_CACHE=0, or JAX's own folder set by the
+    user): compiled as usual. A damaged or unreadable entry is compiled anew."""
+    import pickle
+
+    try:
+        folder = program_dir()
+    except S2DError:
+        folder = None
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR", folder) != folder:
+        folder = None  # the user's own JAX cache folder: JAX's cache only
+    key = executable_key(fn, args, kwargs) if folder else None
+    if key is None:
+        return fn.lower(*args, **kwargs).compile()
+    path = os.path.join(folder, EXECUTABLES, key + ".pkl")
+    if path in _LOADED:  # this process's: no disk read for a later call (a chat's turns)
+        return _LOADED[path]
+    loaded = _read_executable(path)
+    if loaded is not None:
+        _stats["hits"] += 1
+        _LOADED[path] = loaded
+        return loaded
+    _stats["misses"] += 1
+    out = _LOADED[path] = fn.lower(*args, **kwargs).compile()
+    try:
+        from jax.experimental import serialize_executable
+        payload, in_tree, out_tree = serialize_executable.serialize(out)
+        devices = [d.id for d in out.runtime_executable().local_devices()]
+        blob = pickle.dumps({"executable": payload, "in_tree": in_tree, "out_tree": out_tree,
+                             "ffi": _custom_calls(out), "devices": devices})
+    except Exception:  # noqa: BLE001 - not serializable (a backend, a constant): not kept
+        return out
+    _write_atomic(path, blob)
+    return out
+
+
+def _read_executable(path: str):
+    import pickle
+    try:
+        with open(path, "rb") as f:
+            entry = pickle.load(f)
+        if not _providers_ready(entry["ffi"]):
+            return None
+        import jax
+        from jax.experimental import serialize_executable
+        by_id = {d.id: d for d in jax.devices()}
+        return serialize_executable.deserialize_and_load(
+            entry["executable"], entry["in_tree"], entry["out_tree"],
+            execution_devices=[by_id[i] for i in entry["devices"]])
+    except FileNotFoundError:
+        return None
+    except Exception:  # noqa: BLE001 - damaged, or from an incompatible process: compile
+        return None
+
+
+def _write_atomic(path: str, blob: bytes) -> None:
+    import tempfile
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except OSError:  # a full or read-only disk: the program still runs, uncached
+        try:
+            os.remove(tmp)
+        except (OSError, UnboundLocalError):
+            pass
+
+
+def _value_path(kind: str, key: str | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        folder = program_dir()
+    except S2DError:
+        return None
+    return None if folder is None else os.path.join(folder, kind, key + ".pkl")
+
+
+def recall(kind: str, key: str | None):
+    """A value an earlier process kept with `remember(kind, key, value)` (what a program
+    derives from its executables: output shapes, measured seconds), or None."""
+    import pickle
+    path = _value_path(kind, key)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # noqa: BLE001 - absent or damaged: measured again
+        return None
+
+
+def remember(kind: str, key: str | None, value) -> None:
+    """Keep `value` (picklable) for later processes under `kind`/`key` (`executable_key`:
+    a key that changes with the code, JAX, the machine and the settings)."""
+    import pickle
+    path = _value_path(kind, key)
+    try:
+        blob = pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - not picklable: not kept
+        return
+    if path is not None:
+        _write_atomic(path, blob)

@@ -110,3 +110,122 @@ def test_s2d_cache_reports_and_clears(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("S2D_COMPILE_CACHE", "off")
     assert main(["cache"]) == 0
     assert "off" in capsys.readouterr().out
+
+
+# --- whole executables (compile_cache.compiled): a second start neither traces nor compiles
+
+# one process: a streamed greedy decode of the demo target (Decoder.generate ->
+# serving.run_streamed -> compile_cache.compiled), reporting the executables it read or
+# wrote and which of the decode functions JAX traced
+DECODE = """
+import json, sys
+import s2d_jax
+import jax
+from s2d_jax import compile_cache
+traced = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: traced.append(kw.get("fun_name")) if name.endswith("trace_duration") else None)
+cfg, params, _ = s2d_jax.load_model(sys.argv[1])
+dec = s2d_jax.Decoder(cfg, params, method=sys.argv[3])
+out = dec.generate([[1, 5, 9, 12]], max_new_tokens=int(sys.argv[2]), chunk_rounds=2,
+                   on_chunk=lambda s: None)
+print(json.dumps({**compile_cache._stats, "ids": out[0]["token_ids"],
+                  "traced": [f for f in traced if f in ("_prefill", "_decode_loop", "_split_draft")]}))
+"""
+
+
+def _decode(cache, method="ar"):
+    env = {**os.environ, "S2D_COMPILE_CACHE": str(cache), "PYTHONPATH": ROOT}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, "-c", DECODE, os.path.join(ROOT, "models", "demo",
+                          "target-s"), "6", method], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_reads_the_executables_without_tracing_and_a_change_compiles(tmp_path):
+    cache = tmp_path / "xla"
+    first = _decode(cache)
+    assert first["misses"] == 3 and first["hits"] == 0, first  # prefill, split, chunk
+    assert set(first["traced"]) >= {"_prefill", "_decode_loop"}, first
+    folder = cache / compile_cache.machine_key() / compile_cache.EXECUTABLES
+    assert len(os.listdir(folder)) == 3
+
+    again = _decode(cache)
+    assert again["hits"] == 3 and again["misses"] == 0, again
+    assert again["traced"] == [], again  # nothing traced, nothing lowered or compiled
+    assert again["ids"] == first["ids"]  # the same program's tokens
+
+    other = _decode(cache, method="lookup")  # another setting: another chain, compiled anew
+    assert other["misses"] >= 1 and other["ids"] == first["ids"], other  # lossless
+
+    for name in os.listdir(folder):  # a damaged entry is compiled anew, not trusted
+        (folder / name).write_bytes(b"not an executable")
+    damaged = _decode(cache)
+    assert damaged["misses"] == 3 and damaged["ids"] == first["ids"], damaged
+
+
+def test_the_key_changes_with_everything_that_changes_the_program(monkeypatch):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from s2d_jax.model import small_matmul
+
+    @functools.partial(jax.jit, static_argnames=("k",))
+    def f(x, *, k):
+        return x * k
+
+    x = jnp.ones((4, 3), jnp.float32)
+    key = compile_cache.executable_key(f, (x,), {"k": 2})
+    assert key == compile_cache.executable_key(f, (jnp.zeros((4, 3)),), {"k": 2})  # values: no
+    changed = [compile_cache.executable_key(f, (x,), {"k": 3}),             # a static argument
+               compile_cache.executable_key(f, (jnp.ones((4, 4)),), {"k": 2}),  # a shape
+               compile_cache.executable_key(f, (x.astype(jnp.bfloat16),), {"k": 2})]  # a dtype
+    with small_matmul.disabled():  # the CPU kernels' choice a decode program is traced under
+        changed.append(compile_cache.executable_key(f, (x,), {"k": 2}))
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+    changed.append(compile_cache.executable_key(f, (x,), {"k": 2}))
+    monkeypatch.undo()
+    monkeypatch.setattr(compile_cache, "_SOURCE", ["another source"])  # this package's code
+    changed.append(compile_cache.executable_key(f, (x,), {"k": 2}))
+    monkeypatch.undo()
+    precision = "bfloat16" if jax.config.jax_default_matmul_precision != "bfloat16" else "highest"
+    with jax.default_matmul_precision(precision):  # JAX's trace-time settings
+        changed.append(compile_cache.executable_key(f, (x,), {"k": 2}))
+    assert [c == key for c in changed] == [False] * len(changed)
+    assert len(set(changed)) == len(changed), changed
+    assert compile_cache.executable_key(f, (x,), {"k": 2}) == key
+
+
+def test_the_trace_state_it_keys_on_exists():
+    # a renamed scope variable would silently leave the key: name them here
+    import importlib
+    for module, names in compile_cache.TRACE_STATE.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            assert hasattr(mod, name), (module, name)
+    for module, name in compile_cache.FFI_PROVIDERS.values():
+        assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_executables_follow_the_cache_setting(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    f = jax.jit(lambda x: x + 1)
+    monkeypatch.setenv("S2D_COMPILE_CACHE", "0")
+    assert compile_cache.compiled(f, jnp.ones(3))(jnp.ones(3)).tolist() == [2.0] * 3
+    monkeypatch.setenv("S2D_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "users"))  # the user's own
+    compile_cache.compiled(f, jnp.ones(3))
+    assert not os.path.exists(tmp_path / compile_cache.machine_key() / compile_cache.EXECUTABLES)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    first = compile_cache.compiled(f, jnp.ones(3))
+    assert len(os.listdir(tmp_path / compile_cache.machine_key() / compile_cache.EXECUTABLES)) == 1
+    assert compile_cache.compiled(f, jnp.zeros(3)) is first  # a later call: no disk read
+    monkeypatch.setenv("S2D_COMPILE_CACHE", str(tmp_path / "other"))  # another folder: its own
+    assert compile_cache.compiled(f, jnp.ones(3)) is not first
+    assert len(os.listdir(tmp_path / "other" / compile_cache.machine_key()
+                          / compile_cache.EXECUTABLES)) == 1

@@ -133,7 +133,7 @@ def test_a_prompt_asked_twice_in_a_row_is_prefilled_once(s2d_engine, monkeypatch
     """The same prompt greedy, then sampled (a corpus prompt's two temperatures): one
     prefill, and the answers of prefilling each alone (another prompt between them). The
     sampled request asks for its first token only: later ones come from the batch's key."""
-    from s2d_jax.decode import engine as decode_engine
+    from s2d_jax.server import programs as decode_engine  # the slot engine's programs
     eng, tok = s2d_engine
     monkeypatch.setattr(eng, "policy", None)  # every admission prefills the draft too
     ids, other = tuple(tok.encode(TEXTS[1])), tuple(tok.encode(TEXTS[0]))

@@ -133,8 +133,8 @@ def test_bad_tokenizer_dirs_raise(tmp_path):
 
 
 def test_a_plain_tokenizer_json_loads_without_autotokenizer_as_autotokenizer_would():
-    # io/tokenizer.py loads a TokenizersBackend dir with PreTrainedTokenizerFast (AutoTokenizer's
-    # import costs ~2.5 s of a warm start); it must be the tokenizer AutoTokenizer builds
+    # io/tokenizer.py loads a TokenizersBackend dir without AutoTokenizer (its import costs
+    # ~2.5 s of a warm start) or transformers (~1 s): it must be the tokenizer AutoTokenizer builds
     from transformers import AutoTokenizer
 
     from s2d_jax.io.tokenizer import _plain_fast, load_tokenizer
@@ -143,7 +143,7 @@ def test_a_plain_tokenizer_json_loads_without_autotokenizer_as_autotokenizer_wou
     assert _plain_fast(d)
     ours = load_tokenizer(d).hf
     auto = AutoTokenizer.from_pretrained(d, local_files_only=True, use_fast=True)
-    assert type(ours) is type(auto)
+    assert type(ours).__name__ == "_LightFast"  # tokenizers alone (test_tokenizer_light.py)
     assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
                  "chat_template", "all_special_ids"):

@@ -359,6 +359,8 @@ def pack_serving_record(args, record: dict) -> str:
 def calibrate(args, log) -> None:
     from s2d_jax.calibration.calibration import CalibrateOptions
     from s2d_jax.calibration.calibration_search import calibrate_target
+    from s2d_jax.calibration.method_ranking import describe, rank_methods
+    from s2d_jax.decode.auto_method import SECTION
     from s2d_jax.decode.serving_config import SERVING_CONFIG, write_serving_config
     from s2d_jax.io.atomic import write_atomic
 
@@ -368,10 +370,13 @@ def calibrate(args, log) -> None:
     log(f"[calibrate] exits {best['exits']} thresholds {best['thresholds']} gamma "
         f"{best['gamma']}: {best['measured_speedup']:.2f}x vs AR, "
         f"{result.gain_over_paper:.2f}x the speedup of 0.5/.../0")
-    log(f"[calibrate] {write_serving_config(args.target, result.record)}")
+    # the methods ranked at their settings, as infer.calibrate does: --method auto's
+    # choice (the "default" section), in the target's config and the pack's copy
+    record = {**result.record, SECTION: rank_methods(result.calibration, result.record)}
+    log(f"[calibrate] {describe(record[SECTION])}")
+    log(f"[calibrate] {write_serving_config(args.target, record)}")
     # the pack carries its target's calibration: python -m infer.fetch_smollm2 installs it
-    write_atomic(os.path.join(args.out, SERVING_CONFIG),
-                 pack_serving_record(args, result.record))
+    write_atomic(os.path.join(args.out, SERVING_CONFIG), pack_serving_record(args, record))
     log(f"[calibrate] {args.out}/{SERVING_CONFIG}")
 
 

@@ -24,7 +24,7 @@ from s2d_jax.decode.defaults import buffer_len, eos_id_or_default, prompt_width
 from s2d_jax.decode.methods import LOOKUP_RUNG, METHODS
 from s2d_jax.decode.serving_config import DecodeSetting, resolve
 from s2d_jax.decode.state import DecodeParams, GenState, SpecConfig
-from s2d_jax import validate
+from s2d_jax import compile_cache, validate
 from s2d_jax.errors import S2DError
 
 
@@ -261,7 +261,7 @@ def run_whole(chain: Chain, args: tuple) -> Timed:
     """engine.generate compiled ahead (jax caches it per chain and shapes), so the reported
     time and tokens/s exclude compilation, then run."""
     t0 = time.perf_counter()
-    run = engine.generate.lower(*args, chain=chain).compile()
+    run = compile_cache.compiled(engine.generate, *args, chain=chain)
     compile_s = time.perf_counter() - t0
     start = time.perf_counter()
     state = jax.block_until_ready(run(*args))
@@ -273,10 +273,11 @@ def run_streamed(chain: Chain, args: tuple, loop_args: tuple,
     """engine.prefill, then engine.decode_chunk (state donated) until every row is done,
     calling on_chunk(state) between chunks; the prefill timed on its own."""
     t0 = time.perf_counter()
-    first = engine.prefill.lower(*args, chain=chain).compile()
-    loop_args = (engine.split_draft(loop_args[0], chain=chain),) + tuple(loop_args[1:])
-    chunk = engine.decode_chunk.lower(jax.eval_shape(lambda: first(*args)), *loop_args,
-                                      chain=chain).compile()
+    first = compile_cache.compiled(engine.prefill, *args, chain=chain)
+    split = compile_cache.compiled(engine.split_draft, loop_args[0], chain=chain)
+    loop_args = (split(loop_args[0]),) + tuple(loop_args[1:])
+    chunk = compile_cache.compiled(engine.decode_chunk, first.out_info, *loop_args,
+                                   chain=chain)
     compile_s = time.perf_counter() - t0
     start = time.perf_counter()
     state = jax.block_until_ready(first(*args))

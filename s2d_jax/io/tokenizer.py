@@ -24,9 +24,11 @@ sentencepiece. Callers that need EOS/BOS insert the ids (see s2d_jax.data.chat).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from s2d_jax.errors import S2DError
@@ -184,6 +186,9 @@ def _from_pretrained(path: str):
 
     def load(d):
         if _plain_fast(d):  # what AutoTokenizer would build, without its imports (torch: ~3 s)
+            light = _LightFast.load(d)  # without transformers at all (its import: ~1 s)
+            if light is not None:
+                return light
             from transformers import PreTrainedTokenizerFast
             return PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
         from transformers import AutoTokenizer
@@ -228,6 +233,162 @@ def _plain_fast(path: str) -> bool:
     except (OSError, ValueError, AttributeError):
         return False  # AutoTokenizer then says what is wrong
     return cls in _PLAIN_FAST
+
+
+# tokenizer_config.json keys _LightFast reads, or knows to change nothing it uses; any other
+# key (add_bos_token, add_prefix_space, ...) makes transformers load the tokenizer
+_LIGHT_KEYS = {"backend", "tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token",
+               "sep_token", "cls_token", "mask_token", "chat_template", "model_max_length",
+               "added_tokens_decoder", "clean_up_tokenization_spaces", "is_local",
+               "local_files_only", "model_input_names", "padding_side", "truncation_side"}
+_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+          "mask_token")  # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order
+
+
+class _LightFast:
+    """What `Tokenizer` uses of transformers' PreTrainedTokenizerFast, on the `tokenizers`
+    backend alone, for a plain tokenizer.json dir (`_plain_fast`) whose config holds nothing
+    transformers would change the backend for (`_LIGHT_KEYS`, string tokens, no other
+    tokenizer files): importing transformers is ~1 s of a warm start's 3 s. Ids, decoded
+    text and rendered chat templates equal transformers' (tests/test_tokenizer_light.py);
+    `load` returns None where they might not, and transformers loads the tokenizer."""
+
+    is_fast = True
+
+    def __init__(self, backend, config: dict, chat_template: str | None):
+        self.backend_tokenizer = backend
+        self.chat_template = chat_template
+        self.special_tokens_map = {k: config[k] for k in _NAMED if config.get(k) is not None}
+        for name in _NAMED:
+            token = self.special_tokens_map.get(name)
+            setattr(self, name, token)
+            setattr(self, name + "_id", None if token is None else backend.token_to_id(token))
+        self.added_tokens_decoder = backend.get_added_tokens_decoder()
+        self.all_special_ids = list(dict.fromkeys(  # transformers': each id once
+            getattr(self, n + "_id") for n in _NAMED if getattr(self, n + "_id") is not None))
+
+    @classmethod
+    def load(cls, path: str):
+        """The tokenizer of `path`, or None where transformers must load it."""
+        if any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES
+               if f not in ("tokenizer.json", "tokenizer_config.json", "generation_config.json")):
+            return None  # special_tokens_map.json, a chat_template file, tokenizer.model ...
+        try:
+            with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+                config = json.load(f)
+            if not isinstance(config, dict) or set(config) - _LIGHT_KEYS:
+                return None
+            if any(config.get(k) is not None and not isinstance(config[k], str)
+                   for k in (*_NAMED, "chat_template")):
+                return None  # AddedToken dicts, named templates: transformers' own reading
+            from tokenizers import Tokenizer as Backend
+            backend = Backend.from_file(os.path.join(path, "tokenizer.json"))
+        except Exception:  # noqa: BLE001 - transformers then says what is wrong
+            return None
+        if re.search(r"\{%-?\s*(end)?generation\b", config.get("chat_template") or ""):
+            return None  # transformers' own Jinja extension renders {% generation %}
+        if config.get("clean_up_tokenization_spaces") and \
+                type(backend.model).__name__ != "BPE":  # transformers cleans up all but BPE
+            return None
+        added = {int(i): t.get("content") if isinstance(t, dict) else None
+                 for i, t in (config.get("added_tokens_decoder") or {}).items()}
+        have = backend.get_added_tokens_decoder()
+        if any(i not in have or have[i].content != c for i, c in added.items()):
+            return None  # the config adds tokens: transformers adds them to the backend
+        if any(config.get(k) is not None and backend.token_to_id(config[k]) is None
+               for k in _NAMED):
+            return None  # a special token the vocabulary lacks: transformers adds it
+        backend.no_padding()
+        backend.no_truncation()
+        return cls(backend, config, config.get("chat_template"))
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def get_vocab(self) -> dict:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __call__(self, text, add_special_tokens: bool = False,
+                 split_special_tokens: bool = False, return_offsets_mapping: bool = False):
+        batch = not isinstance(text, str)
+        backend = self.backend_tokenizer
+        backend.encode_special_tokens = split_special_tokens
+        try:
+            encs = backend.encode_batch(list(text) if batch else [text],
+                                        add_special_tokens=add_special_tokens)
+        finally:
+            backend.encode_special_tokens = False
+        out = {"input_ids": [e.ids for e in encs]}
+        if return_offsets_mapping:
+            out["offset_mapping"] = [e.offsets for e in encs]
+        return out if batch else {k: v[0] for k, v in out.items()}
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False,
+                            tokenize: bool = False, **kwargs) -> str:
+        """transformers' rendering (utils/chat_template_utils.py: the same sandboxed Jinja
+        environment, filters and globals, the named special tokens as variables)."""
+        if tokenize:
+            raise S2DError("the light tokenizer renders chat templates as text only")
+        return _jinja_template(self.chat_template).render(
+            messages=[dict(m) for m in messages], tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **{**self.special_tokens_map, **kwargs})
+
+
+@functools.lru_cache(maxsize=8)
+def _jinja_template(text: str):
+    """A chat template compiled as transformers compiles it (its AssistantTracker
+    extension aside: `{% generation %}` blocks are for training masks)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(format):
+        import datetime
+        return datetime.datetime.now().strftime(format)
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"chat templates cannot store underscore-prefixed attributes ({name!r})")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    return env.from_string(text)
 
 
 def _llama_sentencepiece(sp_file: str):

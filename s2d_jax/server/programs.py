@@ -5,16 +5,21 @@ draft's catch-up after chunks of plain AR, and the AR view of a speculative stat
 
 Each takes the chain as its one static argument (engine._jit_per_chain), so a server
 compiles each once for its slot count and buffer; the batch state is donated, so a slot
-is written in place (no copy of the other slots' caches).
+is written in place (no copy of the other slots' caches). The slot engine calls these and
+engine's programs through their executables (`Cached`: from the second start read from
+the compilation cache's folder, with no trace).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from s2d_jax import compile_cache
 from s2d_jax.decode import engine
 from s2d_jax.decode.chain import Chain
 from s2d_jax.decode.state import GenState, RoundStats
@@ -168,15 +173,78 @@ def with_draft(ar_state: GenState, spec_state_stats: RoundStats, draft_cache) ->
     return ar_state.replace(draft_cache=draft_cache, stats=stats)
 
 
+class Cached:
+    """A jitted function called through its executables: the first call per argument
+    signature takes compile_cache.compiled's (read from disk where an earlier start
+    compiled it: no trace), later calls the same executable. `static`: the keyword
+    arguments the function was jitted with as static."""
+
+    def __init__(self, fn, static=("chain",)):
+        self.fn, self.static = fn, tuple(static)
+        self._runs: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        static = {k: kwargs.pop(k) for k in self.static if k in kwargs}
+        leaves, tree = jax.tree.flatten((args, kwargs))
+        sig = (tree, tuple(sorted(static.items())), tuple(
+            (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
+            if isinstance(x, jax.Array)
+            else (type(x), np.shape(x), getattr(x, "dtype", None)) for x in leaves))
+        run = self._runs.get(sig)
+        if run is None:
+            run = self._runs[sig] = compile_cache.compiled(self.fn, *args, **kwargs, **static)
+        return run(*args, **kwargs)
+
+
+# every program the slot engine runs, through its executables (Cached)
+prefill_caches = Cached(engine.prefill_caches)
+start = Cached(engine.start)
+decode_chunk = Cached(engine.decode_chunk)
+split_draft = Cached(engine.split_draft)
+insert = Cached(insert)
+release = Cached(release)
+move = Cached(move)
+resize = Cached(resize, static=("rows", "chain"))
+catch_up_draft = Cached(catch_up_draft)
+_SHAPES: dict = {}  # empty_state's output shapes, per key
+
+
 def empty_state(prefill_args: tuple, *, chain: Chain) -> GenState:
     """A batch of free slots shaped as engine.prefill's output for these (batch-sized)
     arguments, without running it: zeros, every row done."""
-    shapes = jax.eval_shape(lambda: engine.prefill(*prefill_args, chain=chain))
+    return empty_from(empty_shapes(prefill_args, chain=chain))
 
-    def zeros(s):
-        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
-            return jax.random.key(0)
-        return jnp.zeros(s.shape, s.dtype)
 
-    state = jax.tree.map(zeros, shapes)
+def empty_shapes(prefill_args: tuple, *, chain: Chain):
+    """engine.prefill's output shapes for these arguments: traced once per signature and
+    kept (compile_cache.remember) for later starts."""
+    key = compile_cache.executable_key(engine.prefill, prefill_args, {"chain": chain})
+    shapes = _SHAPES.get(key) if key is not None else None
+    if shapes is None:
+        shapes = compile_cache.recall("shapes", key)
+    if shapes is None:
+        shapes = jax.eval_shape(lambda: engine.prefill(*prefill_args, chain=chain))
+        compile_cache.remember("shapes", key, jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes))
+    if key is not None:
+        _SHAPES[key] = shapes
+    return shapes
+
+
+def empty_from(shapes) -> GenState:
+    """Free slots of these shapes (empty_shapes): zeros, every row done."""
+    leaves, tree = jax.tree.flatten(shapes)
+    is_key = [jnp.issubdtype(s.dtype, jax.dtypes.prng_key) for s in leaves]
+    zeros = iter(_zeros(specs=tuple((tuple(s.shape), str(s.dtype))  # one program, not an
+                                    for s, k in zip(leaves, is_key) if not k)))  # op a leaf
+    state = jax.tree.unflatten(tree, [jax.random.key(0) if k else next(zeros)
+                                      for k in is_key])
     return state.replace(done=jnp.ones_like(state.done))
+
+
+def _zeros_of(*, specs):
+    return tuple(jnp.zeros(shape, dtype) for shape, dtype in specs)
+
+
+_zeros = Cached(jax.jit(_zeros_of, static_argnames=("specs",)), static=("specs",))

@@ -59,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from s2d_jax.decode import engine
 from s2d_jax.decode.defaults import PROMPT_BUCKET
 from s2d_jax.decode.sampling import SamplingParams
 from s2d_jax.decode.state import DecodeParams
@@ -128,7 +127,7 @@ class SlotEngine:
         self.spec = self.chain.spec
         self.buckets = width_buckets(max_len, width_growth)
         self.eos_id = eos_id_or_default(eos_id, decoder.target_cfg)
-        self.draft_params = engine.split_draft(decoder.draft_params, chain=self.chain) \
+        self.draft_params = programs.split_draft(decoder.draft_params, chain=self.chain) \
             if decoder.draft_params is not None else None
         self.inbox: queue.Queue[Job] = queue.Queue()
         self.waiting: collections.deque[Job] = collections.deque()
@@ -145,14 +144,18 @@ class SlotEngine:
         self.seen = np.zeros((slots, 2), np.int64)  # per row: rounds, tokens last read
         self.chunks = collections.Counter()  # chunks run: speculative / ar
         self.rows = self.row_buckets[0]
+        self._empty_shapes: dict = {}  # rows -> the batch state's shapes (_empty)
         self.state = self._empty(self.rows)
         self.prefilled = None  # ((prompt ids, draft), engine.prefill_caches output): _prefill
 
     def _empty(self, rows: int):
-        args = self._prefill_args(np.ones((rows, self.buckets[0]), np.int32),
-                                  np.ones(rows, np.int32), self._request_dp(Request((1,))),
-                                  self.seed)
-        return programs.empty_state(args, chain=self.chain)
+        shapes = self._empty_shapes.get(rows)  # the same every time: found once
+        if shapes is None:
+            args = self._prefill_args(np.ones((rows, self.buckets[0]), np.int32),
+                                      np.ones(rows, np.int32), self._request_dp(Request((1,))),
+                                      self.seed)
+            shapes = self._empty_shapes[rows] = programs.empty_shapes(args, chain=self.chain)
+        return programs.empty_from(shapes)
 
     # --- what the programs take -------------------------------------------------------
 
@@ -253,13 +256,13 @@ class SlotEngine:
                 self.state = programs.catch_up_draft(self.state, self.draft_params,
                                                      chain=self.chain)
                 self.draft_stale = False
-            self.state = engine.decode_chunk(self.state, *self._loop_args(self._batch_dp()),
-                                             chain=self.chain)
+            self.state = programs.decode_chunk(self.state, *self._loop_args(self._batch_dp()),
+                                               chain=self.chain)
             return
         stats, draft_cache = self.state.stats, self.state.draft_cache
-        out = engine.decode_chunk(programs.without_draft(self.state, self.ar),
-                                  *self._loop_args(self._batch_dp(self.ar.spec), draft=False),
-                                  chain=self.ar)
+        out = programs.decode_chunk(programs.without_draft(self.state, self.ar),
+                                    *self._loop_args(self._batch_dp(self.ar.spec), draft=False),
+                                    chain=self.ar)
         self.state = programs.with_draft(out, stats, draft_cache)
         self.draft_stale = draft_cache is not None
 
@@ -336,9 +339,9 @@ class SlotEngine:
         if self.prefilled is None or self.prefilled[0] != key:
             self.prefilled = None  # (its memory goes before the next prefill's)
             self.prefilled = (key, self._prefill_caches(r.prompt_ids, draft))
-        one = engine.start(*self.prefilled[1], jax.device_put(np.array([len(r.prompt_ids)],
-                                                                         np.int32)),
-                           self._request_dp(r), jax.random.key(r.seed), chain=chain)
+        one = programs.start(*self.prefilled[1], jax.device_put(np.array([len(r.prompt_ids)],
+                                                                           np.int32)),
+                             self._request_dp(r), jax.random.key(r.seed), chain=chain)
         if not (self.waiting and self.waiting[0].request.prompt_ids == r.prompt_ids):
             self.prefilled = None
         return one
@@ -350,9 +353,10 @@ class SlotEngine:
         arr = np.zeros((1, width), np.int32)
         arr[0, :n] = prompt_ids
         d = self.decoder
-        return engine.prefill_caches(self.draft_params if draft else None, d.target_params,
-                                     jax.device_put(arr), jax.device_put(np.array([n], np.int32)),
-                                     d.mid_params, chain=self.chain if draft else self.ar)
+        return programs.prefill_caches(self.draft_params if draft else None, d.target_params,
+                                       jax.device_put(arr),
+                                       jax.device_put(np.array([n], np.int32)),
+                                       d.mid_params, chain=self.chain if draft else self.ar)
 
     def _collect(self) -> None:
         s = self.state
