@@ -18,7 +18,8 @@ On the first device JAX sees (it refuses a CPU unless --allow-cpu):
       MAT and (ii) --paper-mat, the MAT the paper reports (not built in: pass it); and
       XLA:GPU's two GEMM backends, Triton (its default) against cuBLAS
       (xla_gpu_enable_triton_gemm=false), given per compile: the 7B shape's verify call
-      at windows 1 and gamma + 1 compiled again with cuBLAS, and its decode matmuls
+      at windows 1 and gamma + 1 (compiled as the engine does, one-pass GEMMs) compiled
+      again with cuBLAS and with XLA's split-K GEMMs, and its decode matmuls
       (every distinct weight shape, rows 1/5/8, bench/gemm_costs.py) compiled both ways:
       ms, GB/s, the faster, and which backend (and XLA flag) the measurements favour; the
       library's defaults stay as they are. On a CPU that part is "n/a on cpu": XLA's
@@ -359,7 +360,10 @@ def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
     backend (check_gemms)."""
     from s2d_jax.bench.call_costs import draft_step_probes, verify_probe
 
+    from s2d_jax.decode.engine import GPU_COMPILER_OPTIONS
     cfgs, draft_cfg, exits = _shape_cfgs(tiny)
+    # the verify calls as the engine compiles them: one-pass GEMMs on a GPU
+    default_options = GPU_COMPILER_OPTIONS if res.data["platform"] == "gpu" else None
     max_len, start = (256, 64) if tiny else (2048, 512)
     bandwidth = res.data["bandwidth"]["bytes_per_s"]
     print(_bandwidth_line(res.data["bandwidth"]), flush=True)
@@ -383,7 +387,8 @@ def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
         entry = res.data["shapes"][name] = {"verify_s": {}, "draft_step_s": step_s,
                                             "bound": bound, "vs_bound": {}}
         for w in range(1, (args.windows or WINDOWS[tiny]) + 1):
-            probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len)
+            probe = verify_probe(params, cfg, window=1, block=w - 1, start=start,
+                                 max_len=max_len, compiler_options=default_options)
             for _ in range(args.samples):
                 probe.sample()
             c = entry["verify_s"][w] = probe.result()
@@ -403,27 +408,36 @@ def check_shapes(args, res: Results, tiny: bool, paper_mat: dict) -> None:
 def _verify_cublas(args, res: Results, entry: dict, name: str, params, cfg, start: int,
                    max_len: int, tiny: bool) -> None:
     """The model-level GEMM comparison: the AR step and the gamma + 1 verify window
-    compiled again with cuBLAS (xla_gpu_enable_triton_gemm=false) beside the default's
-    (Triton) times above: what the flag does to the model's own program. GPU only."""
+    compiled again with cuBLAS (xla_gpu_enable_triton_gemm=false) and with XLA's split-K
+    (no engine.GPU_COMPILER_OPTIONS: few-row GEMMs split their contraction and write f32
+    partial sums, ~15% more bytes, for more thread blocks) beside the default's times above
+    (Triton, one pass over each weight, as the engine compiles decode programs): what each
+    choice does to the model's own program. GPU only."""
     from s2d_jax.bench import gemm_costs
     from s2d_jax.bench.call_costs import verify_probe
+    from s2d_jax.decode.engine import GPU_COMPILER_OPTIONS
     platform = res.data["platform"]
     if platform != "gpu":
-        print(f"{name}: verify with cuBLAS ({gemm_costs.TRITON_FLAG}=false): n/a on "
-              f"{platform}", flush=True)
+        print(f"{name}: verify with cuBLAS ({gemm_costs.TRITON_FLAG}=false) and with split-K: "
+              f"n/a on {platform}", flush=True)
         return
-    by = entry["verify_by_backend"] = {"triton": {}, "cublas": {}}
+    variants = {"cublas": {**GPU_COMPILER_OPTIONS, **gemm_costs.BACKENDS["cublas"]},
+                "split-k": {"xla_gpu_experimental_force_split_k": 0}}
+    by = entry["verify_by_backend"] = {"triton": {}, **{v: {} for v in variants}}
     for w in sorted({1, GAMMA[tiny] + 1} & set(entry["verify_s"])):
-        probe = verify_probe(params, cfg, window=1, block=w - 1, start=start, max_len=max_len,
-                             compiler_options=gemm_costs.BACKENDS["cublas"])
-        for _ in range(args.samples):
-            probe.sample()
-        by["triton"][w], by["cublas"][w] = entry["verify_s"][w], probe.result()
-        print(f"{name}: verify window {w} with cuBLAS ({gemm_costs.TRITON_FLAG}=false): "
-              f"{1e3 * by['cublas'][w]:.3f} ms (default, Triton: {1e3 * by['triton'][w]:.3f} "
-              f"ms)", flush=True)
+        by["triton"][w] = entry["verify_s"][w]
+        for variant, options in variants.items():
+            probe = verify_probe(params, cfg, window=1, block=w - 1, start=start,
+                                 max_len=max_len, compiler_options=options)
+            for _ in range(args.samples):
+                probe.sample()
+            by[variant][w] = probe.result()
+            del probe
+        print(f"{name}: verify window {w}: cuBLAS ({gemm_costs.TRITON_FLAG}=false) "
+              f"{1e3 * by['cublas'][w]:.3f} ms, Triton with split-K "
+              f"{1e3 * by['split-k'][w]:.3f} ms (default, Triton in one pass: "
+              f"{1e3 * by['triton'][w]:.3f} ms)", flush=True)
         res.save()
-        del probe
 
 
 def check_gemms(args, res: Results, name: str, cfg, tiny: bool,

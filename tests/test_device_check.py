@@ -139,7 +139,8 @@ def _gpu_results():
                 "bound": {"verify_bytes": 14.3e9, "verify_s": 14.3e9 / 3.35e12,
                           "draft_step_bytes": {6: 3.2e9}, "draft_step_s": {6: 3.2e9 / 3.35e12}},
                 "verify_by_backend": {"triton": {1: 17.9e-3, 5: 18.4e-3},
-                                      "cublas": {1: 14.0e-3, 5: 14.8e-3}}}},
+                                      "cublas": {1: 14.0e-3, 5: 14.8e-3},
+                                      "split-k": {1: 18.6e-3, 5: 19.1e-3}}}},
             "gemm": {"model": "vicuna-7b", "platform": "gpu", "rows": [1],
                      "backends": ["triton", "cublas"], "flag": gemm_costs.TRITON_FLAG,
                      "shapes": [{"name": "w_gate/w_up", "k": 4096, "n": 11008, "per_layer": 1,
@@ -160,8 +161,8 @@ def test_the_report_sets_gpu_calls_beside_their_bounds_and_names_the_gemm_flag()
     assert "| draft step, exit 6 | 4.100 | 0.955 | 4.29x |" in report
     assert ("| w_gate/w_up 32 x [4096, 11008] | 1 | 3.500 | 829 (25%) | 1.400 | 2071 (62%) "
             "| triton, cublas | cublas 2.50x |") in report
-    assert "- the model's verify call of 5 token(s): Triton (default) 18.400 ms, cuBLAS " \
-           "14.800 ms" in report
+    assert "- the model's verify call of 5 token(s): Triton in one pass (default) 18.400 ms, " \
+           "cuBLAS 14.800 ms, Triton with split-K 19.100 ms" in report
     assert "**GEMM default for the decode shapes: cublas**" in report
     assert "set `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false`" in report
     assert "The library's defaults are unchanged." in report
@@ -188,10 +189,14 @@ def test_the_triton_and_cublas_compiles_run_on_a_cpu():
     assert len(lines) == 2 and all(" faster by " in m or "not timed" in m for m in lines)
     assert entry["choice"]["default"] in ("triton", "cublas", None)
     from tiny_models import numpy_params
-    probe = verify_probe(numpy_params(cfg), cfg, window=1, block=1, start=8, max_len=32,
-                         compiler_options=gemm_costs.BACKENDS["cublas"])
-    probe.sample()
-    assert len(probe.times[0]) == 1
+    from s2d_jax.decode.engine import GPU_COMPILER_OPTIONS
+    # part (b)'s verify variants: cuBLAS, the engine's one-pass GEMMs, XLA's split-K
+    for options in (gemm_costs.BACKENDS["cublas"], GPU_COMPILER_OPTIONS,
+                    {"xla_gpu_experimental_force_split_k": 0}):
+        probe = verify_probe(numpy_params(cfg), cfg, window=1, block=1, start=8, max_len=32,
+                             compiler_options=options)
+        probe.sample()
+        assert len(probe.times[0]) == 1
 
 
 H100_GEMMS = r'''

@@ -69,8 +69,10 @@ def _verdict_md(g: dict, shape: dict) -> list[str]:
                             if call else ""))
     by = shape.get("verify_by_backend")
     if by:
-        lines += [f"- the model's verify call of {w} token(s): Triton (default) "
-                  f"{_ms(by['triton'][w])} ms, cuBLAS {_ms(c)} ms" for w, c in by["cublas"].items()]
+        lines += [f"- the model's verify call of {w} token(s): Triton in one pass (default) "
+                  f"{_ms(by['triton'][w])} ms, cuBLAS {_ms(c)} ms"
+                  + (f", Triton with split-K {_ms(by['split-k'][w])} ms" if w in by.get("split-k", {})
+                     else "") for w, c in by["cublas"].items()]
     c = g.get("choice")
     if c:
         if c["default"] is None:

@@ -20,6 +20,7 @@ what the CALM approximation costs in accepted tokens.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -33,6 +34,28 @@ from s2d_jax.model.layers import static_decode_slices
 from s2d_jax.model.rope import apply_rope, cos_sin
 from s2d_jax.decode.sampling import SamplingParams, confidence, probs_from_logits, sample
 from s2d_jax.decode.state import DecodeParams, SpecConfig
+
+
+# Trace the conditionals below as their dearest branch alone (round_cost's one-round
+# program: one round at its dearest, as the walk's `hi` counts it). Unrolled inside a
+# conditional, the TPU compiler copied a draft layer's static `wo` slice into HBM (read,
+# written and read again) where the loop prefetches a layer's slice into VMEM: the 70B's
+# one-round SD program walked 1.08x the loop's round (tests/test_tpu_aot.py).
+_dearest: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def dearest_branches():
+    """Trace drafting's skips (rows finished, no row escalating) as always taken."""
+    _dearest.append(True)
+    try:
+        yield
+    finally:
+        _dearest.pop()
+
+
+def _cond(pred, dearest, cheapest, *args):
+    return dearest(*args) if _dearest[-1] else jax.lax.cond(pred, dearest, cheapest, *args)
 
 
 def with_exit_segments(params: dict, exits: tuple[int, ...]) -> dict:
@@ -150,7 +173,7 @@ def draft_token_kv(params: dict, cfg: ModelConfig, cache: KVCache, tokens: jnp.n
         if kv_fill == "full":
             h, k, v, at, new_logits = deeper(h)
         else:
-            h, k, v, at, new_logits = jax.lax.cond(jnp.any(need), deeper, skip, h)
+            h, k, v, at, new_logits = _cond(jnp.any(need), deeper, skip, h)
         ks, vs, ps = ks + [k], vs + [v], ps + [at]
         new_conf = confidence(new_logits, sp, conf_kind)
         logits = jnp.where(need[:, None], new_logits, logits)
@@ -235,7 +258,7 @@ def draft_block(params: dict, cfg: ModelConfig, cache: KVCache, work: jnp.ndarra
         def skip():
             return _no_step((prev, q0, e0, c0), kv_shape, cache.max_len)
 
-        d, q, e, c, kv = jax.lax.cond(jnp.any(active), run, skip)
+        d, q, e, c, kv = _cond(jnp.any(active), run, skip)
         cache = write_layers(cache, 0, *kv)
         return (cache, d, active & (c >= dp.stop_threshold)), (d, q, e, active)
 

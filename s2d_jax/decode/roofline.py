@@ -76,7 +76,8 @@ def _draft_bytes(setup, exit_layers: int, mesh) -> int:
 def minimum_round_bytes(setup, mesh=None) -> tuple[int, int]:
     """(lo, hi) per-device bytes a round must move at least: the target's weights and cache
     once (its verify call), plus per draft step the draft's weights and cache up to the exit
-    it stops at (lo: the first exit, hi: the deepest), gamma steps a round (call_bytes).
+    it stops at (lo: the first exit, with the K/V fill of the layers past it where kv_fill
+    is CALM; hi: the deepest), gamma steps a round (call_bytes).
     A step that escalates reads the shared norm and head at every exit it passes: each
     exit's confidence decides whether the next layers run, so no program can read the head
     once for all of them (hi counts it len(exits) times)."""
@@ -85,8 +86,22 @@ def minimum_round_bytes(setup, mesh=None) -> tuple[int, int]:
         return target, target
     g, exits = setup.spec.gamma, setup.spec.exits
     passed = (len(exits) - 1) * _head_bytes(setup.draft_cfg, mesh)
-    return (target + g * _draft_bytes(setup, exits[0], mesh),
+    fill = (_kv_fill_bytes(setup.draft_cfg, exits[0], exits[-1], mesh)
+            if setup.spec.kv_fill == "calm" else 0)
+    return (target + g * (_draft_bytes(setup, exits[0], mesh) + fill),
             target + g * (_draft_bytes(setup, exits[-1], mesh) + passed))
+
+
+def _kv_fill_bytes(cfg, start: int, end: int, mesh) -> int:
+    """Per-device bytes a step stopping at layer `start` still reads to fill the K/V of
+    layers [start, end) (CALM: each layer's input norm, wk and wv applied to the exit's
+    hidden state; the cache must hold keys for the later tokens that attend to them)."""
+    if end <= start:
+        return 0
+    from s2d_jax.decode.aot import abstract_params
+    layers = dict(abstract_params(cfg, mesh))["layers"]
+    stacks = tree_bytes_per_device({n: layers[n] for n in ("attn_norm", "wk", "wv")})
+    return stacks * (end - start) // cfg.num_layers
 
 
 def _head_bytes(cfg, mesh) -> int:

@@ -17,9 +17,14 @@ the compiler picks for them (the loop lays a weight out anew once, before it: th
 of the whole stack per call), and on TPU multi-output fusion is off (TPU_ROUND_OPTIONS: it
 merged the unrolled layers' slices of `wo` into copies of the stack). At batch 8 the 70B's
 AR one-round program on v5p:2x2x2 walked 24.7 GiB with all three (2.5 GiB of cache
-copies, 2.5 of `wq`, 2.2 of `wo`) for the loop's round's 17.6. `one_round_bytes` walks the
-program as hlo_traffic walks the loop's round; `infer.aot --roofline` prints both
-(tests/test_tpu_aot.py keeps them within 5%).
+copies, 2.5 of `wq`, 2.2 of `wo`) for the loop's round's 17.6. The program is the round at its
+dearest (drafting's conditionals traced as their dearest branch: every step drafted, S2D's
+escalating), and on TPU its unrolled layers index their weights at an index the compiler
+cannot see, so it reads a layer's `wo` slice into VMEM as the loop does instead of copying
+static slices into HBM (inside the draft's conditionals it did: the 70B's SD one-round
+program at batch 1 walked 1.08x the loop's round, now 1.004x). `one_round_bytes` walks the
+program as hlo_traffic walks the loop's round; `infer.aot --roofline` prints it beside the
+loop's dearest round (tests/test_tpu_aot.py keeps them within 5%).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import time
 
 import jax
 
-from s2d_jax.decode.drafting import with_exit_segments
+from s2d_jax.decode.drafting import dearest_branches, with_exit_segments
 from s2d_jax.decode.round import one_round
 from s2d_jax.decode.state import DecodeParams
 from s2d_jax.model import attention, layers
@@ -45,15 +50,20 @@ TPU_ROUND_OPTIONS = {"xla_jf_enable_multi_output_fusion": False}
 
 
 @contextlib.contextmanager
-def whole_round_program(max_len: int):
-    """Trace with every layer range unrolled and one attention block of `max_len` slots."""
-    saved = layers.UNROLL_LAYERS, layers.UNROLL_MAX_LAYER_PARAMS, attention.ATTENTION_BLOCK
+def whole_round_program(max_len: int, opaque_layer_index: bool = False):
+    """Trace with every layer range unrolled, one attention block of `max_len` slots and
+    drafting's conditionals at their dearest branch (every step drafted, S2D's escalating)."""
+    saved = (layers.UNROLL_LAYERS, layers.UNROLL_MAX_LAYER_PARAMS, attention.ATTENTION_BLOCK,
+             layers.OPAQUE_LAYER_INDEX)
     layers.UNROLL_LAYERS, layers.UNROLL_MAX_LAYER_PARAMS = 10**6, float("inf")
     attention.ATTENTION_BLOCK = max_len
+    layers.OPAQUE_LAYER_INDEX = opaque_layer_index
     try:
-        yield
+        with dearest_branches():
+            yield
     finally:
-        layers.UNROLL_LAYERS, layers.UNROLL_MAX_LAYER_PARAMS, attention.ATTENTION_BLOCK = saved
+        (layers.UNROLL_LAYERS, layers.UNROLL_MAX_LAYER_PARAMS, attention.ATTENTION_BLOCK,
+         layers.OPAQUE_LAYER_INDEX) = saved
 
 
 def _place_caches(state, mesh):
@@ -113,13 +123,13 @@ def compile_round(setup, mesh=None, compiler_options=None):
     state = _place_caches(state, mesh)
     if s.spec.proposer.needs_draft:  # its exits' segments, as the engine slices them
         draft = _segments_like(draft, s.spec.exits)
-    with whole_round_program(s.spec.max_len), chain.kernel_scope():
+    on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
+    with whole_round_program(s.spec.max_len, on_tpu), chain.kernel_scope():
         fn = jax.jit(lambda params, st, p: one_round(st, params=params, dp=p, chain=chain),
                      in_shardings=None if mesh is None else _in_shardings(
                          mesh, (draft, target), state, dp),
                      donate_argnums=1)  # the state, as the loop's while body carries it
         lowered = fn.lower((draft, target), state, dp)
-    on_tpu = mesh is not None and mesh.devices.flat[0].platform == "tpu"
     options = {**(TPU_ROUND_OPTIONS if on_tpu else {}), **(compiler_options or {})}
     t0 = time.perf_counter()
     compiled = lowered.compile(options)
@@ -136,11 +146,12 @@ def one_round_bytes(compiled, setup, mesh=None):
     return program_traffic(compiled.as_text(), shapes)
 
 
-def walk_ratio(one, loop) -> tuple[float, float]:
-    """The one-round program's walk (`one_round_bytes`) over the loop's round
-    (aot.round_bytes), cheapest and dearest branches each: what the loop keeps in VMEM
-    from round to round counted on its side (the one-round program reads it from HBM)."""
-    return one.lo / (loop.lo + loop.on_chip), one.hi / (loop.hi + loop.on_chip)
+def walk_ratio(one, loop) -> float:
+    """The one-round program's walk (`one_round_bytes`) over the loop's dearest round
+    (aot.round_bytes' hi: the program takes every branch at its dearest,
+    drafting.dearest_branches), what the loop keeps in VMEM from round to round counted on
+    its side (the one-round program reads it from HBM)."""
+    return one.hi / (loop.hi + loop.on_chip)
 
 
 def round_cost(compiled) -> dict:

@@ -55,14 +55,11 @@ def _lemma_cell(costs, setups, method, a) -> str:
 
 
 def _one_round_walk(one, loop) -> str:
-    """The one-round program's walk (GiB) and its ratio to the loop's round ("" without)."""
+    """The one-round program's walk (GiB) and its ratio to the loop's dearest round ("" without)."""
     if one is None:
         return ""
-    rlo, rhi = walk_ratio(one, loop)
-    gib = (f"{one.hi / GIB:.3f}" if abs(one.hi - one.lo) < 5e-4 * GIB
-           else f"{one.lo / GIB:.3f}..{one.hi / GIB:.3f}")
-    ratio = f"{rhi:.3f}x" if abs(rhi - rlo) < 5e-4 else f"{rlo:.3f}..{rhi:.3f}x"
-    return f", one-round program's walk {gib} GiB ({ratio} the loop's)"
+    return (f", one-round program's walk {one.hi / GIB:.3f} GiB ({walk_ratio(one, loop):.3f}x the "
+            f"loop's{' dearest' if loop.hi != loop.lo else ''} round)")
 
 
 def tpu_round_lines(setups: dict, mesh, compiled_first, bandwidth: float, device: str,

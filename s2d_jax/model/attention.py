@@ -11,7 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from s2d_jax.config import ModelConfig
-from s2d_jax.model import decode_scope, gpu_attention, small_matmul
+from s2d_jax.model import decode_scope, gpu_attention, small_matmul, tpu_attention
+
+_KERNELS = {"gpu": gpu_attention, "tpu": tpu_attention}  # decode_scope's kernel -> module
 
 # Slots a decode step's attention reads per block. The cache is a static buffer (max_len
 # slots) but a row's keys end at its position: blocks past the batch's last position are
@@ -59,9 +61,9 @@ def cache_attention(q, kc, vc, layer, positions, cfg: ModelConfig, block: int, n
     kernel (cpu_attention.cc) does the same in one call, reading the cache in place."""
     B, T, _, H = q.shape
     fused, mesh = decode_scope.fused_attention_mesh()
-    if fused and gpu_attention.usable(kc, T * cfg.num_groups):
-        carry = gpu_attention.cache_softmax(q, kc, vc, layer, positions, new_kv is not None,
-                                            mesh)
+    if fused and _KERNELS[fused].usable(kc, T * cfg.num_groups):
+        carry = _KERNELS[fused].cache_softmax(q, kc, vc, layer, positions,
+                                              new_kv is not None, mesh)
         return _finish(carry, q, positions, new_kv, S=kc.shape[3], cfg=cfg)
     if small_matmul.usable(B * T) and kc.dtype in (jnp.float32, jnp.bfloat16):
         return _kernel_attention(q, kc, vc, layer, positions, cfg, new_kv)

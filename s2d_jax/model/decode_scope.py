@@ -38,36 +38,41 @@ def for_platform(mesh):
     default backend, decides)."""
     if mesh is None:
         return contextlib.nullcontext()
-    return _scope(mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"),
-                  dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1), mesh)
+    platform = mesh.devices.flat[0].platform
+    gpu = platform in ("gpu", "cuda", "rocm")
+    return _scope(gpu, dict(zip(mesh.axis_names, mesh.devices.shape)).get("tensor", 1), mesh,
+                  "gpu" if gpu else "tpu" if platform == "tpu" else False)
 
 
 @contextlib.contextmanager
-def _scope(on: bool, tensor: int, mesh=None):
+def _scope(unrolled: bool, tensor: int, mesh, kernel):
     _tensor.append(tensor)
     try:
-        with decode_unrolled(on), fused_attention(on, mesh):
+        with decode_unrolled(unrolled), fused_attention(kernel, mesh):
             yield
     finally:
         _tensor.pop()
 
 
 @contextlib.contextmanager
-def fused_attention(on: bool | None, mesh=None):
-    """Cached attention traced now runs as one kernel (gpu_attention.py) on `mesh`'s
-    devices (True; on a CPU in Pallas's interpreter, for tests), in XLA ops (False), or as
-    the default backend wants (None: the kernel on a GPU)."""
-    _fused.append((on, mesh))
+def fused_attention(on: bool | str | None, mesh=None):
+    """Cached attention traced now runs as one kernel on `mesh`'s devices: "gpu" (Triton,
+    gpu_attention.py; True says the same) or "tpu" (Mosaic, tpu_attention.py), on a CPU
+    in Pallas's interpreter (tests); in XLA ops (False); or as the default backend wants
+    (None: its kernel on a GPU or TPU, XLA ops elsewhere)."""
+    _fused.append(("gpu" if on is True else on, mesh))
     try:
         yield
     finally:
         _fused.pop()
 
 
-def fused_attention_mesh() -> tuple[bool, object]:
-    """(whether cached attention traced now runs as one kernel, the mesh it runs on)."""
+def fused_attention_mesh() -> tuple[str | None, object]:
+    """(the attention kernel traced now: "gpu", "tpu" or None for XLA ops, its mesh)."""
     on, mesh = _fused[-1]
-    return (jax.default_backend() == "gpu" if on is None else on), mesh
+    if on is None:
+        on = jax.default_backend() if jax.default_backend() in ("gpu", "tpu") else False
+    return (on or None), mesh
 
 
 def static_decode_slices() -> bool:

@@ -118,13 +118,13 @@ def usable(kc, rows: int) -> bool:
     return kc.shape[3] % SLOTS == 0 and rows <= MAX_ROWS
 
 
-def cache_softmax(q, kc, vc, layer, positions, skip_own: bool, mesh=None):
+def per_device(local, q, kc, vc, layer, positions, skip_own: bool, mesh=None):
     """(m, norm, acc): attention.py's running softmax of q [B,T,N,H] over the slots <=
-    position of cache layer `layer` (skip_own: not those at the query positions), as
-    `_local` computes it on each device of `mesh` (rows and kv heads as the mesh's rules
-    place them)."""
+    position of cache layer `layer` (skip_own: not those at the query positions), as the
+    kernel wrapper `local` (this file's, or tpu_attention.py's) computes it on each device
+    of `mesh` (rows and kv heads as the mesh's rules place them)."""
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    fn = functools.partial(_local, skip_own=skip_own, interpret=platform == "cpu")
+    fn = functools.partial(local, skip_own=skip_own, interpret=platform == "cpu")
     if mesh is None or mesh.devices.size == 1:
         return fn(q, kc, vc, layer, positions)
     qs = partition_spec(("batch", "seq", "heads", "head_dim"))
@@ -135,3 +135,6 @@ def cache_softmax(q, kc, vc, layer, positions, skip_own: bool, mesh=None):
     return jax.shard_map(fn, mesh=mesh, in_specs=(qs, cs, cs, P(), ps),
                          out_specs=(carry, carry, acc), check_vma=False)(
         q, kc, vc, layer, positions)
+
+
+cache_softmax = functools.partial(per_device, _local)
