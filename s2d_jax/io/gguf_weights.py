@@ -222,8 +222,8 @@ def load_gguf_shipped(path: str, num_layers: int | None = None, dtype=None,
 
 def _no_shardings(shardings, path) -> None:
     if shardings is not None:
-        raise S2DError(f"{path}: weights kept quantized load on one device only (no --mesh "
-                       f"yet); drop --mesh, or use the float32 model")
+        raise S2DError(f"{path}: weights kept quantized load on one device only (not yet "
+                       f"sharded over a mesh); run it on one device, or use the float32 model")
 
 
 # --- the quantized dir ---------------------------------------------------------------------
