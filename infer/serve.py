@@ -6,11 +6,11 @@ per request (s2d_jax/server/).
     curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
         -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Start-up with the defaults on a 2-core AMD EPYC (Zen 4) shared with other jobs (load
-average 7-12): /health answered within 1 s; ready after 58-69 s at the first start (loading,
-then the programs the first requests need: prompts up to 512 tokens, one row; the longer
-prompts and larger batches compile in the background while idle, a request first), and
-after 16-19 s at the second (3x-4.4x sooner), which reads the compiled programs and the
+Start-up with the defaults on an idle 2-core AMD EPYC (Zen 4): /health answers within 1 s;
+ready after 25.8 s at a fresh machine's first start (building the CPU kernels, loading, then
+the programs the first requests need: prompts up to 512 tokens, one row; the longer prompts
+and larger batches compile in the background while idle, a request first; 15.3 s with the
+kernels built), and after 6.0-6.4 s at the second, which reads the compiled programs and the
 warm-up's measured round costs from the compilation cache (`s2d cache`). /health answers
 503 with the stage until ready, then 200 with "state": "ready".
 
