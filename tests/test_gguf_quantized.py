@@ -240,3 +240,20 @@ def test_fetch_quantized_writes_the_quantized_dir(tmp_path, capsys, monkeypatch)
     with pytest.raises(SystemExit):
         fetch_smollm2.main(argv + ["--dtype", "bfloat16"])
     assert "drop --dtype" in capsys.readouterr().err
+
+
+def test_a_nan_scale_is_refused_with_its_tensors_name(tmp_path):
+    """A NaN (or inf) block scale read back from a quantized dir: one error naming the
+    tensor, not a model whose every logit comes out NaN."""
+    from safetensors.numpy import load_file, save_file
+    src = _write(tmp_path, Q.Q4_1)
+    out = str(tmp_path / "q")
+    assert convert.main(["gguf-to-quantized", "--src", src, "--out", out]) == 0
+    path = os.path.join(out, gguf_weights.QUANT_FILE)
+    for bad in (np.nan, np.inf):
+        tensors = load_file(path)
+        tensors["layers/w_up.scale"] = tensors["layers/w_up.scale"].copy()
+        tensors["layers/w_up.scale"].flat[3] = bad
+        save_file(tensors, path)
+        with pytest.raises(S2DError, match="layers/w_up.scale holds NaN or inf"):
+            load_model(out)

@@ -158,7 +158,17 @@ def read_shipped(path: str, num_layers: int | None = None) -> Shipped:
                 continue
             xs = [p[k] for p in per_layer]
             tensors[f"{row.path}.{part}"] = np.stack(xs) if row.stacked else xs[0]
+    _check_finite(tensors, path)
     return Shipped(cfg, types, tensors, tied_head)
+
+
+def _check_finite(tensors: dict, path: str) -> None:
+    """Every float tensor (block scales and offsets, norms, float matrices) finite: a NaN or
+    inf scale would turn its whole block's outputs, then every logit, into NaN."""
+    for name, x in tensors.items():
+        if np.issubdtype(x.dtype, np.floating) and not np.all(np.isfinite(x)):
+            raise S2DError(f"{path}: {name} holds NaN or inf values; the file is damaged, "
+                           f"fetch or convert it again")
 
 
 def _hf_layout(f: GGUFFile, cfg: ModelConfig, path: str, x: np.ndarray) -> np.ndarray:
@@ -277,6 +287,7 @@ def read_quantized_dir(path: str, num_layers: int | None = None) -> Shipped:
         tensors = {k: (v[:num_layers] if k.startswith("layers/") else v)
                    for k, v in tensors.items()}
     _check_shapes(cfg, types, tensors, bool(meta.get("tied_head")), path)
+    _check_finite(tensors, path)
     return Shipped(cfg, types, tensors, bool(meta.get("tied_head")))
 
 
