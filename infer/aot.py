@@ -15,6 +15,9 @@ or GiB.
 device (summed over the compiled HLO, s2d_jax/decode/hlo_traffic.py) beside the minimum
 (weights + caches once per call), a lower bound on its time at the device's memory bandwidth
 and Lemma 3.1's speedup bound at --acceptance: a bound, not a measurement.
+--weights int8: the target's decoder matrices and LM head int8 with per-output-channel
+scales (the draft, embedding, norms and activations in --dtype): the Llama-2-70B then fits
+a v5e-8 (`--topology v5e:2x4`), and the floor counts the int8 bytes and scales.
 --train-config: also compile the SoFT training step of that training YAML for the draft on
 the same mesh (as `python -m train.aot --config ... --target-config <draft> mesh.*=...`).
 """
@@ -51,6 +54,7 @@ def _parse(argv):
     p.add_argument("--prompt-len", type=int, default=None, help="padded prompt length "
                    "(default: context / 4)")
     add(p, "--dtype", CMD)
+    add(p, "--weights", CMD)
     p.add_argument("--device-memory", default=None,
                    help="memory of one device to check the plan against (default: the "
                         "--topology's chip, else h100-80gb)")
@@ -103,8 +107,11 @@ def _stored_extra(path: str) -> dict:
 def _models(args, exits):
     """(target, draft or None, the draft's exits) from the flags, the draft cut to its
     deepest exit; its exits are --exits, else --draft-layers, else those stored with it
-    (s2d_exits), else its depth."""
-    target = _model_cfg(args.target, args.dtype)
+    (s2d_exits), else its depth. --weights int8: the target's matrices int8
+    (quantize.QuantizedConfig); the draft stays in --dtype (a twentieth of the bytes, and
+    its CALM K/V fill slices its wk/wv per layer)."""
+    from s2d_jax.model.quantize import with_weights
+    target = with_weights(_model_cfg(args.target, args.dtype), args.weights)
     row = proposer(args.method)
     if not row.needs_draft and not args.roofline:
         return target, None, exits or ()
@@ -145,8 +152,10 @@ def _print_models(mesh_cfg, mesh, target, draft, exits, setting):
     devices = list(mesh.devices.flat)
     print(f"devices: {len(devices)} x {devices[0].platform}; mesh data={mesh_cfg.data} "
           f"fsdp={mesh_cfg.fsdp} tensor={mesh_cfg.tensor}")
+    weights = getattr(target, "weights", None)
     print(f"target: {target.name} {target.num_layers} layers ({target.num_params() / 1e9:.1f}B "
-          f"params, {target.param_dtype})")
+          f"params, {target.param_dtype}" + (f"; matrices and head {weights}, per-channel "
+                                             f"scales" if weights else "") + ")")
     if draft is not None:
         print(f"draft: {draft.name} {draft.num_layers} layers ({draft.num_params() / 1e9:.2f}B "
               f"params), exits {list(setting.exits or exits)}, gamma "
@@ -255,6 +264,10 @@ def main(argv=None):
     check_at_least(args, {"gamma": 1, "context": 4, "prompt_len": 1, "draft_layers": 1})
     if args.gamma is not None:  # before JAX starts (a calibrated one: _setting)
         check_gamma(args.gamma, args.context, "the cache", source="--context")
+    if args.weights and args.roofline and not args.topology:
+        raise S2DError(f"--weights {args.weights} --roofline needs --topology (e.g. v5e:2x4, "
+                       f"h100:8): the CPU roofline scales a float32 twin's bytes by half, "
+                       f"which int8 weights are not")
     from s2d_jax.parallel.multihost import parse_mesh
     mesh_cfg = parse_mesh(args.mesh)  # bad flags fail before JAX starts
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)

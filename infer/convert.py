@@ -100,9 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         add(sp, "--out", CMD, kind=OUTPUT_KIND[name], overwrite="overwrite", required=True)
         add(sp, "--overwrite", CMD)
         if name == "pack-draft":
-            sp.add_argument("--weights", choices=("int8", "bfloat16"), default="int8",
-                            help="storage of the draft's layer matrices (default int8, one "
-                                 "scale per output channel)")
+            add(sp, "--weights", CMD)
     return p
 
 

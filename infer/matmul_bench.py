@@ -5,7 +5,9 @@ process and interleaved (s2d_jax/bench/matmul_costs.py).
     python -m infer.matmul_bench --target ~/.cache/s2d-jax/SmolLM2-135M-Instruct [--rows 1,2,3,4,8]
 
 --formats f32,Q8_0,Q4_1 times instead the whole cached forward per weight format on the
-kernels (the quantized ones read as stored, quant_matmul.cc), interleaved in one process.
+kernels (the quantized ones read as stored), interleaved in one process; a format's suffix
+':int8' / ':float' picks how the block-quantized kernels take the activations (quant_dot8.cc,
+the default on AVX-512 VNNI CPUs / quant_matmul.cc), ':xla' XLA's dots.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def parse_args(argv=None):
                    help="per probe over the repeats (min: on a CPU shared with other work, "
                         "the least disturbed call)")
     p.add_argument("--formats", default="",
-                   help="comma-separated weight formats (f32, Q8_0, Q4_0, Q4_1; ':xla' after one: "
-                        "on XLA's dots) whose cached forward to time on the kernels, instead of "
-                        "the per-matmul table")
+                   help="comma-separated weight formats (f32, Q8_0, Q4_0, Q4_1; after one, "
+                        "':xla': on XLA's dots, ':int8' / ':float': the kernels taking the "
+                        "activations as int8 blocks or float32) whose cached forward to time, "
+                        "instead of the per-matmul table")
     p.add_argument("--cache-position", type=int, default=400,
                    help="cache position of the step's first token (attention reads up to it)")
     p.add_argument("--max-len", type=int, default=1280, help="K/V cache slots")
@@ -40,10 +43,12 @@ def parse_args(argv=None):
     args.rows = parse_ints(args.rows, "--rows", minimum=1)
     args.formats = [f for f in args.formats.split(",") if f]
     bad = [f for f in args.formats
-           if f.partition(":")[0] not in FORMATS or f.partition(":")[2] not in ("", "xla")]
+           if f.partition(":")[0] not in FORMATS
+           or f.partition(":")[2] not in ("", "xla", "int8", "float")]
     if bad:
         raise S2DError(f"--formats: unknown {', '.join(bad)}; use f32, Q8_0, Q4_0, Q4_1, each "
-                       "optionally with ':xla' (XLA's dots instead of the kernels)")
+                       "optionally with ':xla' (XLA's dots instead of the kernels) or "
+                       "':int8' / ':float' (how the kernels take the activations)")
     if args.repeats < 1:
         raise S2DError(f"--repeats must be >= 1, got {args.repeats}")
     if not 0 <= args.cache_position <= args.max_len - max(args.rows):
@@ -61,7 +66,8 @@ def main(argv=None):
     from s2d_jax.model import small_matmul
 
     cfg, params, _ = load_model(args.target)
-    print(f"matmul path: {small_matmul.status()}")
+    print(f"matmul path: {small_matmul.status()}; block-quantized weights' activations: "
+          f"{small_matmul.activation_mode()} (unless a format names one)")
     if args.formats:
         compiled = matmul_costs.format_probes(params, cfg, args.formats, args.rows,
                                               args.max_len, args.cache_position)

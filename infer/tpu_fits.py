@@ -3,6 +3,10 @@ sorted draft (Vicuna-7B's first 12 layers, exits 6,9,12), AR / SD / S2D, on v5e,
 v6e slices, compiled by the TPU compiler on this machine (libtpu, no TPU):
 
     python -m infer.tpu_fits --out-file runs/tpu_fits.md
+    python -m infer.tpu_fits --out-file runs/tpu_fits.md --weights bfloat16,int8
+
+(--weights int8: rows of each target with its decoder matrices and head int8 with
+per-channel scales, named "NAME int8": the Llama-2-70B fits a v5e-8 only so.)
 
 Prints a markdown table (s2d_jax/decode/tpu_fits.py says what each column is) and writes it
 to --out-file. ~50 compiles: about half an hour on 2 free CPU cores. Every finished row is kept
@@ -41,7 +45,8 @@ def _parse(argv):
     p.add_argument("--models", default=",".join(TARGETS), metavar="NAMES",
                    help="the target presets, comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--chips", default="v5e,v5p,v6e", help="chip generations")
-    for name in ("--methods", "--batch-sizes", "--context", "--acceptance", "--paper-acceptance"):
+    for name in ("--methods", "--batch-sizes", "--context", "--acceptance", "--paper-acceptance",
+                 "--weights"):
         add(p, name, CMD)
     p.add_argument("--kept-only", action="store_true",
                    help="compile nothing: the table of the rows --state keeps so far (while "
@@ -117,6 +122,10 @@ def main(argv=None):
     from s2d_jax.decode.methods import methods_where
     methods = _pick(args.methods, methods_where(self_draft=False), "--methods")
     batches = parse_ints(args.batch_sizes, "--batch-sizes", minimum=1)
+    formats = _pick(args.weights, ("bfloat16", "int8"), "--weights")
+    # (row name, target preset, weights): an int8 row's target is "NAME int8"
+    rows = [(name if w == "bfloat16" else f"{name} {w}", name, w)
+            for name in targets for w in formats]
     acceptances = parse_floats(args.acceptance, "--acceptance", nonempty=True)
     paper = args.paper_acceptance
     if not all(0 <= a < 1 for a in acceptances + ([] if paper is None else [paper])):
@@ -131,8 +140,8 @@ def main(argv=None):
     from s2d_jax.parallel import topology  # devices() prepares libtpu where a row compiles
     from s2d_jax.config import load_model_config
     from s2d_jax.decode.tpu_fits import SLICES, compile_record, markdown, row_key
-    missing = [topo for name in targets for chip, topo in SLICES["70b" if "70b" in name
-                                                                  else "small"]
+    missing = [topo for name, _, _ in rows for chip, topo in SLICES["70b" if "70b" in name
+                                                                     else "small"]
                if chip in chips and any(row_key(topo, name, m, b, args.context) not in
                                         store.rows for m in methods for b in batches)]
     if missing and not args.kept_only:  # the TPU compiler is there before any row compiles
@@ -143,8 +152,10 @@ def main(argv=None):
     bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
     draft = dataclasses.replace(load_model_config(DRAFT), num_layers=12, **bf16)
     keys = []
-    for name in targets:
-        target = dataclasses.replace(load_model_config(TARGETS[name]), **bf16)
+    from s2d_jax.model.quantize import with_weights
+    for name, preset, weights in rows:
+        target = with_weights(dataclasses.replace(load_model_config(TARGETS[preset]), **bf16),
+                              None if weights == "bfloat16" else weights)
         for chip, topo in SLICES["70b" if "70b" in name else "small"]:
             if chip not in chips:
                 continue

@@ -134,7 +134,7 @@ def clear(root: str) -> None:
 EXECUTABLES = "executables"  # their folder under program_dir()
 # the module state a decode program is traced under (the CPU kernels' choice, the decode
 # scopes): part of the key, read only where the module is loaded (tests check the names)
-TRACE_STATE = {"s2d_jax.model.small_matmul": ("_choice",),
+TRACE_STATE = {"s2d_jax.model.small_matmul": ("_choice", "_activations"),
                "s2d_jax.model.decode_scope": ("_static_decode", "_tensor", "_fused")}
 # FFI targets a cached executable calls, by name prefix -> (module, function) that
 # registers them in this process before the executable is loaded (True: registered)
@@ -244,8 +244,8 @@ def compiled(fn, *args, **kwargs):
     loaded = _read_executable(path)
     if loaded is not None:
         _stats["hits"] += 1
-        _LOADED[path] = loaded
-        return loaded
+        _LOADED[path] = _Checked(loaded, path, lambda: fn.lower(*args, **kwargs).compile())
+        return _LOADED[path]
     _stats["misses"] += 1
     out = _LOADED[path] = fn.lower(*args, **kwargs).compile()
     try:
@@ -258,6 +258,38 @@ def compiled(fn, *args, **kwargs):
         return out
     _write_atomic(path, blob)
     return out
+
+
+class _Checked:
+    """An executable read from the cache, which its first call checks: XLA:CPU's loader
+    can return an executable that fails at dispatch ("Function wrapped_slice not found",
+    seen once for a ladder program a run before had written). Such a call compiles the
+    program anew, drops the entry (the next process writes a good one) and runs that;
+    everything else is the executable's."""
+
+    def __init__(self, executable, path: str, compile_fn):
+        self._exe, self._path, self._compile, self._checked = executable, path, compile_fn, False
+
+    def __call__(self, *args, **kwargs):
+        if self._checked:
+            return self._exe(*args, **kwargs)
+        try:
+            out = self._exe(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - only the loader's own failure is retried
+            if "not found" not in str(e) or "Function" not in str(e):
+                raise
+            _stats["broken"] = _stats.get("broken", 0) + 1
+            try:
+                os.remove(self._path)
+            except OSError:
+                pass
+            self._exe = self._compile()
+            out = self._exe(*args, **kwargs)
+        self._checked = True
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._exe, name)
 
 
 def _read_executable(path: str):

@@ -121,6 +121,19 @@ def small_matmul_forced() -> bool:
     return "S2D_SMALL_MATMUL" in os.environ and small_matmul_enabled()
 
 
+def quant_activations_setting() -> str | None:
+    """S2D_QUANT_ACTIVATIONS: how the CPU kernels take a block-quantized weight's activations
+    ("int8" as llama.cpp, or "float"); None when unset (small_matmul.activation_mode)."""
+    raw = os.environ.get("S2D_QUANT_ACTIVATIONS")
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in ("int8", "float"):
+        return value
+    raise S2DError(f"S2D_QUANT_ACTIVATIONS={raw!r} is neither int8 nor float; unset it for "
+                   "the default (int8 where the CPU has AVX-512 VNNI)")
+
+
 def small_matmul_enabled() -> bool:
     raw = os.environ.get("S2D_SMALL_MATMUL")
     if raw is None:

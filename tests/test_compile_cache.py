@@ -229,3 +229,31 @@ def test_executables_follow_the_cache_setting(tmp_path, monkeypatch):
     assert compile_cache.compiled(f, jnp.ones(3)) is not first
     assert len(os.listdir(tmp_path / "other" / compile_cache.machine_key()
                           / compile_cache.EXECUTABLES)) == 1
+
+
+def test_an_executable_failing_at_its_first_dispatch_is_compiled_anew(tmp_path, monkeypatch):
+    """XLA:CPU once loaded an executable that failed at dispatch ("Function wrapped_slice
+    not found"): that call compiles the program anew and runs it, and drops the entry."""
+    import jax
+    import jax.numpy as jnp
+    monkeypatch.setenv("S2D_COMPILE_CACHE", str(tmp_path))
+    f = jax.jit(lambda x: x * 2)
+    compile_cache.compiled(f, jnp.ones(3))  # written
+    folder = tmp_path / compile_cache.machine_key() / compile_cache.EXECUTABLES
+    assert len(os.listdir(folder)) == 1
+    compile_cache._LOADED.clear()
+
+    class Broken:
+        def __call__(self, *a):
+            raise RuntimeError("INTERNAL: Error dispatching computation: Function "
+                               "wrapped_slice.3 not found (type id: 1)")
+
+    monkeypatch.setattr(compile_cache, "_read_executable", lambda path: Broken())
+    run = compile_cache.compiled(f, jnp.ones(3))
+    assert run(jnp.arange(3.0)).tolist() == [0.0, 2.0, 4.0]
+    assert os.listdir(folder) == []  # the bad entry is gone; the next process writes one
+    assert run(jnp.ones(3)).tolist() == [2.0] * 3
+    other = compile_cache._Checked(Broken(), str(folder / "x"), lambda: None)
+    other._exe = type("Fails", (), {"__call__": lambda self, *a: 1 / 0})()
+    with pytest.raises(ZeroDivisionError):  # any other error is the program's own
+        other(jnp.ones(3))

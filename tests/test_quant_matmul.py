@@ -1,7 +1,9 @@
-"""The block-quantized small matmul (s2d_jax/model/quant_matmul.cc): for the Q8_0, Q4_0 and
-Q4_1 layouts of quantize.QuantizedWeight, the kernel reading the quantized layer in place
-equals dequantize-then-matmul, each row bitwise whatever the row count, a planted wrong
-scale is caught by the same comparison, and a quantized model decodes through it."""
+"""The block-quantized small matmul with float32 activations (s2d_jax/model/quant_matmul.cc):
+for the Q8_0, Q4_0 and Q4_1 layouts of quantize.QuantizedWeight, the kernel reading the
+quantized layer in place equals dequantize-then-matmul, each row bitwise whatever the row
+count, a planted wrong scale is caught by the same comparison, and a quantized model decodes
+through it. (The int8-activation kernel, the default on AVX-512 VNNI CPUs, has
+tests/test_quant_dot8.py.)"""
 
 import dataclasses
 import os
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.skipif(not small_matmul.built(),
 
 @pytest.fixture(autouse=True)
 def _kernel_on_any_cpu():
-    with small_matmul.forced():
+    with small_matmul.forced(), small_matmul.quant_activations("float"):
         yield
 
 

@@ -70,9 +70,14 @@ def _head_fn(cfg: ModelConfig):
     return lambda params, h: model.lm_logits(params, cfg, h, decode=True)
 
 
-def _compile(fn, kernel: bool, *args):
-    """fn jitted and compiled with the kernel (on any CPU it is built on) or with XLA's dots."""
-    with small_matmul.forced() if kernel else small_matmul.disabled():
+def _compile(fn, kernel: bool, *args, activations: str | None = None):
+    """fn jitted and compiled with the kernel (on any CPU it is built on) or with XLA's dots;
+    `activations` ("int8" / "float"): how the block-quantized kernels take them (default: the
+    decode path's, small_matmul.activation_mode)."""
+    import contextlib
+    acts = (small_matmul.quant_activations(activations) if activations
+            else contextlib.nullcontext())
+    with small_matmul.forced() if kernel else small_matmul.disabled(), acts:
         return jax.jit(fn).lower(*args).compile()
 
 
@@ -168,7 +173,8 @@ def format_probes(params: dict, cfg: ModelConfig, formats: list[str], rows: list
                   max_len: int, position: int) -> dict:
     """{("step", fmt, M) / ("step_empty", fmt, M): (compiled, args)}: the cached forward
     loop of each format on the kernels ("<format>:xla": on XLA's dots, a quantized weight
-    dequantized whole before its dot, the path without the kernels)."""
+    dequantized whole before its dot, the path without the kernels; "<format>:int8" /
+    "<format>:float": the kernels taking the activations as int8 blocks or float32)."""
     out, made = {}, {}
     for fmt in formats:
         weights, _, path = fmt.partition(":")  # "Q4_1:xla": XLA's dots (dequantize, then dot)
@@ -179,7 +185,8 @@ def format_probes(params: dict, cfg: ModelConfig, formats: list[str], rows: list
             cache = init_cache(c, 1, max_len)
             toks = jnp.ones((1, m), jnp.int32)
             pos = position + jnp.arange(m, dtype=jnp.int32)[None]
-            loop = _compile(_step_loop_fn(c), path != "xla", p, cache, toks, pos, jnp.int32(0))
+            loop = _compile(_step_loop_fn(c), path != "xla", p, cache, toks, pos, jnp.int32(0),
+                            activations=path if path in small_matmul.ACTIVATION_MODES else None)
             for key, n in (("step", STEP_CALLS), ("step_empty", 0)):
                 out[(key, fmt, m)] = (loop, (p, cache, toks, pos, jnp.int32(n)))
     return out

@@ -119,6 +119,22 @@ FLAGS: dict[str, Flag] = {
         variants={"fetch": variant("the HF dir fetch writes is what the other commands read "
                                    "'as stored'; float32 keeps the GGUF's weights exact",
                                    default="float32")}),
+    "--weights": _flag(
+        default=None, choices=("int8",),
+        help="store the target's decoder matrices and LM head as int8 with one float32 "
+             "scale per output channel (model/quantize.py; its embedding and norms, the "
+             "draft and the activations keep --dtype) and compile for those bytes "
+             "(default: every weight in --dtype)",
+        variants={"convert": variant(
+            "a draft pack stores its layer matrices int8 unless asked not to",
+            choices=("int8", "bfloat16"), default="int8",
+            help="storage of the draft's layer matrices (default int8, one scale per output "
+                 "channel)"),
+                  "tpu-fits": variant(
+            "its table sets weight formats side by side", default="bfloat16", choices=None,
+            metavar="W,W", help="the targets' weight formats, comma-separated: bfloat16 "
+                                "and/or int8 (rows of target 'NAME int8': its decoder "
+                                "matrices and head int8 with per-channel scales)")}),
     # --- what to decode, and how --------------------------------------------------------
     "--method": _flag(
         default=AUTO, choices=CHOICES,

@@ -19,10 +19,11 @@ escalating; a branch that touches next to nothing is the skip of finished rows, 
 The TPU compiler's program is read as HBM traffic: arrays whose layout names an on-chip
 memory space (`S(1)` VMEM, `S(2)`/`S(6)` scalar and sync memory) cost nothing (on XLA:CPU
 none does); a parameter its fusion reads only through slices, also in nested fusions (the
-TPU slices a layer off a weight stack in a kLoop fusion inside the matmul's), costs its
-slices; `copy-start` / `slice-start` (prefetches into VMEM, evictions out of it) cost their
-HBM side; `ConcatBitcast` joins buffers in place. `Traffic.on_chip` says what the round loop
-keeps in VMEM from round to round (its reads there are not in `lo`/`hi`).
+TPU slices a layer off a weight stack in a kLoop fusion inside the matmul's, an int8 one
+through a nested re-tiling copy), costs its slices; `copy-start` / `slice-start`
+(prefetches into VMEM, evictions out of it) cost their HBM side; `ConcatBitcast` joins
+buffers in place. `Traffic.on_chip` says what the round loop keeps in VMEM from round to
+round (its reads there are not in `lo`/`hi`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def _param(body: list[Instr], k: int) -> Instr | None:
                  and re.search(rf"parameter\({k}\)", i.line)), None)
 
 
+def _relayout(body: list[Instr]) -> bool:
+    """A nested fusion that only re-tiles its one operand: the TPU compiler's copy_fusion
+    turning an int8 weight stack's (32,128) tiles into the (8,128) ones of the bf16 it is
+    converted to, inside the kLoop fusion that slices a layer off the stack."""
+    return (sum(i.opcode == "parameter" for i in body) == 1
+            and all(i.opcode in ("parameter", "copy", "bitcast") for i in body))
+
+
 def _sliced_read(mod: Module, comp: str, name: str) -> int | None:
     """Bytes a fusion body reads of its parameter `name` when it reads only slices of it
     (dynamic-slice / gather, also inside nested fusions: the TPU compiler nests a kLoop
@@ -104,6 +113,12 @@ def _sliced_read(mod: Module, comp: str, name: str) -> int | None:
             total += type_bytes(user.type)
         elif user.opcode in IN_PLACE and k == 0:
             continue  # the buffer updated in place: only the update is touched
+        elif user.opcode == "fusion" and _relayout(mod.instrs[_callees(user.line)[0]]):
+            # fused into this body, a re-tiling computes only the elements its users read
+            part = _sliced_read(mod, comp, user.name)
+            if part is None:
+                return None
+            total += part
         elif user.opcode == "fusion":
             nested = _callees(user.line)[0]
             p = _param(mod.instrs[nested], k)

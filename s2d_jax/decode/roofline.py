@@ -60,7 +60,9 @@ def lemma_speedup(ar_round_s: float, round_s: float, tokens: float) -> float:
 
 def call_bytes(cfg, batch: int, max_len: int, mesh=None) -> int:
     """Per-device bytes one forward call must read: every weight (the embedding table only
-    where it is also the head: a call gathers just its tokens' rows) and the whole cache."""
+    where it is also the head: a call gathers just its tokens' rows) and the whole cache.
+    A quantize.QuantizedConfig's weights as stored: the int8 bytes and float32 scales of
+    its matrices and head (aot.abstract_params), its norms and cache in their dtype."""
     from s2d_jax.decode.aot import abstract_params
     params = dict(abstract_params(cfg, mesh))
     if "lm_head" in params:

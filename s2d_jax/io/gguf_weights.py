@@ -6,12 +6,12 @@ by every loader through `checkpoint.load_model`).
 The layout (`model/quantize.py`'s, contracted axes first: q [..., in, out]): a GGUF block covers
 32 consecutive elements of a ggml row, which is the INPUT dim of a linear weight, so a block is
 one group of 32 input rows of one output column:
-    Q8_0 -> bits 8, group 32, q int8 [.., in, out], scale f32 [.., in/32, 1, out] (the f16 d),
-            offset None; w = scale * q
+    Q8_0 -> bits 8, group 32, q int8 [.., in, out], scale f16 [.., in/32, 1, out] (the file's
+            d, kept in float16: half the bytes a step reads for scales), offset None; w = scale * q
     Q4_0 -> bits 4, group 32, q uint8 [.., in/2, out]: signed nibbles q - 8 in [-8, 7], row 2i
             in the low nibble, row 2i+1 in the high one (quantize._pack_int4), offset None
     Q4_1 -> bits 4, group 32, the same packing of UNSIGNED nibbles 0..15, offset = the f16 m
-            as f32 (scale's shape); w = scale * q + offset
+            (scale's shape); w = scale * q + offset, in float32 (float16 widens exactly)
 The llama.cpp rope row order of attn_q / attn_k is undone by permuting output COLUMNS of q,
 scale and offset (whole blocks move, none is split). Norms and tensors of other types (F16,
 K-quants, ...) are dequantized to float32 as `io/gguf.py` does; a stacked matrix whose layers
@@ -68,8 +68,8 @@ def block_parts(raw: np.ndarray, qtype: Q, shape: tuple[int, int]
     blocks = np.asarray(raw).view(np.uint8).reshape(n_out, n_in // GROUP,
                                                     GGML_QUANT_SIZES[qtype][1])
 
-    def f16(start):  # [out, in/32] -> [in/32, 1, out] float32
-        d = blocks[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    def f16(start):  # [out, in/32] -> [in/32, 1, out] float16, as stored
+        d = blocks[..., start:start + 2].copy().view(np.float16)[..., 0]
         return np.ascontiguousarray(d.T[:, None, :])
 
     if qtype == Q.Q8_0:

@@ -44,20 +44,24 @@ struct Chunks {
   }
 };
 
-// fn(c0, c1) over the N columns, on the caller and the pool. `col_bytes`: weight bytes a
-// column holds (K x the element width), which sizes the chunks: about four a thread (load
-// balance), whole register tiles, >= 64 KiB of weights each so the hand-off stays small
-// next to the work.
-inline void for_column_chunks(xla::ffi::ThreadPool& pool, int64_t N, double col_bytes,
+// Columns a chunk of an N-column matmul takes. `col_bytes`: weight bytes a column holds (K x
+// the element width), which sizes the chunks: about four a thread (load balance), whole
+// register tiles, >= 64 KiB of weights each so the hand-off stays small next to the work.
+inline int64_t chunk_columns(xla::ffi::ThreadPool& pool, int64_t N, double col_bytes) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t min_cols = std::max<int64_t>(
+      kChunkUnit, int64_t(65536 / std::max(col_bytes, 1.0)) / kChunkUnit * kChunkUnit);
+  int64_t cols = (N + 4 * threads - 1) / (4 * threads);
+  return std::max(min_cols, (cols + kChunkUnit - 1) / kChunkUnit * kChunkUnit);
+}
+
+// fn(c0, c1) over the N columns in chunks of `cols`, on the caller and the pool.
+inline void run_column_chunks(xla::ffi::ThreadPool& pool, int64_t N, int64_t cols,
                               std::function<void(int64_t, int64_t)> fn) {
   auto work = std::make_shared<Chunks>();
   work->fn = std::move(fn);
   work->N = N;
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t min_cols = std::max<int64_t>(
-      kChunkUnit, int64_t(65536 / std::max(col_bytes, 1.0)) / kChunkUnit * kChunkUnit);
-  int64_t cols = (N + 4 * threads - 1) / (4 * threads);
-  cols = std::max(min_cols, (cols + kChunkUnit - 1) / kChunkUnit * kChunkUnit);
   work->chunk_cols = cols;
   work->chunks = (N + cols - 1) / cols;
   work->segments = std::min(threads, work->chunks);
@@ -66,6 +70,12 @@ inline void for_column_chunks(xla::ffi::ThreadPool& pool, int64_t N, double col_
     pool.Schedule([work, t] { work->run(t); });
   work->run(0);
   while (work->done.load(std::memory_order_acquire) < work->chunks) cpu_relax();
+}
+
+// fn(c0, c1) over the N columns, on the caller and the pool, in chunks `chunk_columns` sizes.
+inline void for_column_chunks(xla::ffi::ThreadPool& pool, int64_t N, double col_bytes,
+                              std::function<void(int64_t, int64_t)> fn) {
+  run_column_chunks(pool, N, chunk_columns(pool, N, col_bytes), std::move(fn));
 }
 
 }  // namespace s2d_cpu

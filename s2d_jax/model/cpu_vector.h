@@ -58,6 +58,56 @@ inline i32x16 widen16(const uint8_t* p) { return widen16<false>(p); }
 
 inline v16 splat(float x) { return v16{} + x; }
 
+// IEEE binary16 -> binary32, exact (GGUF's block scales and offsets, kept as the file has
+// them: half the bytes of float32 ones).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+    float f = float(man) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline v16 load16_half(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  v16 v;
+  for (int i = 0; i < 16; ++i) v[i] = half_to_float(p[i]);
+  return v;
+#endif
+}
+
+// A layer's block scales (or offsets) [K/G, N], float32 or float16 as stored.
+struct Scales {
+  const void* p = nullptr;
+  bool half = false;
+  float at(int64_t i) const {
+    return half ? half_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+  }
+  v16 load16(int64_t i) const {
+    return half ? load16_half(static_cast<const uint16_t*>(p) + i)
+                : s2d_cpu::load16(static_cast<const float*>(p) + i);
+  }
+  Scales layer(int64_t offset) const {  // the same array from element `offset` on
+    Scales s = *this;
+    s.p = static_cast<const char*>(p) + offset * (half ? 2 : 4);
+    return s;
+  }
+};
+
 // a * b + c. The kernels build with -ffp-contract=off and write every multiply-add through
 // these two: fused (one rounding) where the CPU has FMA, unfused elsewhere, the same for
 // vector lanes and scalar tails. Left to the compiler, GCC 12 on an AMD Zen 4 fused the

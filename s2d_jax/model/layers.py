@@ -19,10 +19,10 @@ import jax.numpy as jnp
 from s2d_jax.config import ModelConfig
 from s2d_jax.model import small_matmul
 from s2d_jax.model.decode_scope import (decode_unrolled, for_platform,  # noqa: F401
-                                        static_decode_slices)
+                                        fused_attention_mesh, static_decode_slices)
 from s2d_jax.model import attention as attention_mod
 from s2d_jax.model.attention import attention, cache_attention, causal_mask
-from s2d_jax.model.block import MATRIX_NAMES, block
+from s2d_jax.model.block import MATRIX_NAMES, block, mean_square
 from s2d_jax.model.kvcache import KVCache, write_slots
 from s2d_jax.model.rope import cos_sin
 
@@ -165,27 +165,46 @@ def _cache_scan(params, cfg, h, positions, start, end, cache, layers, attend,
     are the scan's carry, `extra` their new value -> (h, cache with them); otherwise they
     are only read and `extra` is stacked over the layers -> (h, stacked extra)."""
     cos, sin = cos_sin(cfg, positions)
-    kernel = small_matmul.usable(positions.size)
+    stack = layers if layers is not None else params.get("layers", {})
+    kernel = small_matmul.usable(positions.size, stack.get("wq") if isinstance(stack, dict) else None)
     xs, stacked = _scanned_layers(params, layers, start, end, kernel)
     unroll = unroll_layers(cfg, end - start) or (decode and static_decode_slices())
 
-    def run_block(h, x, kc, vc):
+    tpu = decode and tpu_decode()
+
+    def run_block(hs, x, kc, vc):
         lp, li, si = x  # the matrices the kernel reads in place, as layer si of their stack
         lp = {**lp, **{n: small_matmul.StackedWeight(w, si) if kernel
                        else jax.lax.dynamic_index_in_dim(w, si, keepdims=False)
                        for n, w in stacked.items()}}
-        return block(lp, cfg, h, cos, sin, lambda q, k, v: attend(q, k, v, kc, vc, li), kernel)
+        h, ms = hs if tpu else (hs, None)
+        h, extra = block(lp, cfg, h, cos, sin, lambda q, k, v: attend(q, k, v, kc, vc, li),
+                         kernel, ms, norm_once=tpu)
+        return ((h, mean_square(h)) if tpu else h), extra
 
+    # A TPU decode scan carries each layer's output with its RMSNorm statistic, computed
+    # in the fusion that writes the output (the MLP's residual add): the next layer's
+    # norm then reads its input once, not twice (v5p 70B SD verify at batch 8: 0.05 GiB
+    # a round, docs/distributed.md). The same float32 mean of the same values.
+    hs = (h, mean_square(h)) if tpu else h
     if not carry_cache:
-        return jax.lax.scan(lambda h, x: run_block(h, x, cache.k, cache.v), h, xs, unroll=unroll)
+        hs, extra = jax.lax.scan(lambda h, x: run_block(h, x, cache.k, cache.v), hs, xs,
+                                 unroll=unroll)
+        return (hs[0] if tpu else hs), extra
 
     def body(carry, x):
-        h, kc, vc = carry
-        h, (kc, vc) = run_block(h, x, kc, vc)
-        return (h, kc, vc), None
+        hs, kc, vc = carry
+        hs, (kc, vc) = run_block(hs, x, kc, vc)
+        return (hs, kc, vc), None
 
-    (h, k, v), _ = jax.lax.scan(body, (h, cache.k, cache.v), xs, unroll=unroll)
-    return h, cache.replace(k=k, v=v)
+    (hs, k, v), _ = jax.lax.scan(body, (hs, cache.k, cache.v), xs, unroll=unroll)
+    return (hs[0] if tpu else hs), cache.replace(k=k, v=v)
+
+
+def tpu_decode() -> bool:
+    """Whether decode layers traced now are a TPU program's (decode_scope's TPU attention
+    kernel scope: a TPU mesh's programs, or the default backend a TPU)."""
+    return fused_attention_mesh()[0] == "tpu"
 
 
 def _scanned_layers(params: dict, layers: dict | None, start: int, end: int, kernel: bool):

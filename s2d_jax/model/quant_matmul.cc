@@ -1,14 +1,8 @@
 // y[M, N] = x[M, K] @ W for a few rows M (decode steps, verify windows, draft steps), W one
 // layer of a block-quantized weight (quantize.QuantizedWeight) read as stored: the bytes a
-// step streams are the quantized ones (Q4_1: 0.75 bytes a weight with float32 scales and
-// offsets, against 4 for float32), instead of a float32 copy dequantized before the matmul.
-//
-// W [L, K, N] as q and scales per group of G consecutive input rows (k) and output column:
-//   Q8 (int8 q [L, K, N]):                   w = scale * q
-//   Q4 (uint8 q [L, K/2, N], signed nibbles):  w = scale * q,           q in [-8, 7]
-//   Q4 + offset (unsigned nibbles):            w = scale * q + offset,  q in [0, 15]
-// (packed byte row i holds k = 2i in its low nibble, k = 2i + 1 in its high one); scale and
-// offset float32 [L, K/G, N]. Any G dividing K (even for 4 bits).
+// step streams are the quantized ones (Q4_1: 0.625 bytes a weight with the GGUF's float16
+// scales and offsets, against 4 for float32), instead of a float32 copy dequantized before
+// the matmul. The layout: quant_layer.h.
 //
 // Each weight vector is dequantized in registers exactly as QuantizedWeight.astype computes
 // it (float32 scale * q, then + offset: two roundings, -ffp-contract=off), once for all rows
@@ -22,6 +16,7 @@
 
 #include "cpu_chunks.h"
 #include "cpu_vector.h"
+#include "quant_layer.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -37,7 +32,10 @@ using s2d_cpu::v16;
 using s2d_cpu::i32x16;
 using s2d_cpu::widen16;
 
-enum Format { kQ8 = 0, kQ4 = 1, kQ4Offset = 2 };
+using s2d_cpu::kQ8;
+using s2d_cpu::kQ4;
+using s2d_cpu::kQ4Offset;
+using Layer = s2d_cpu::QuantLayer;
 
 constexpr int kMaxRows = 8;    // rows one pass over the weights serves
 // q rows ahead to prefetch (a tile walks rows with stride N). 8 to 128 rows, and prefetching
@@ -92,13 +90,6 @@ inline float dequant(float q, float s, float o) {
   return F == kQ4Offset ? w + o : w;
 }
 
-struct Layer {
-  const void* q;     // this layer's q rows
-  const float* s;    // [K/G, N]
-  const float* o;    // [K/G, N] or null
-  int64_t K, N, G;
-};
-
 // Rows [0, R) of y, columns [c, c + C).
 template <int R, int F, int C>
 void tile(const float* x, const Layer& w, float* y, int64_t c) {
@@ -108,12 +99,12 @@ void tile(const float* x, const Layer& w, float* y, int64_t c) {
   for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, ++gi) {
     v16 s[V], o[V] = {};
     for (int v = 0; v < V; ++v) {
-      s[v] = load16(w.s + gi * N + c + 16 * v);
-      if (F == kQ4Offset) o[v] = load16(w.o + gi * N + c + 16 * v);
+      s[v] = w.s.load16(gi * N + c + 16 * v);
+      if (F == kQ4Offset) o[v] = w.o.load16(gi * N + c + 16 * v);
     }
     if (F == kQ8) {
       for (int64_t k = g0; k < g0 + G; ++k) {
-        const int8_t* row = static_cast<const int8_t*>(w.q) + k * N + c;
+        const int8_t* row = reinterpret_cast<const int8_t*>(w.q) + k * N + c;
         if (k + kPrefetch < K) __builtin_prefetch(row + kPrefetch * N, 0, 2);
         v16 wv[V];
         for (int v = 0; v < V; ++v) wv[v] = dequant<F>(q8(row + 16 * v), s[v], o[v]);
@@ -124,7 +115,7 @@ void tile(const float* x, const Layer& w, float* y, int64_t c) {
       }
     } else {
       for (int64_t k = g0; k < g0 + G; k += 2) {
-        const uint8_t* row = static_cast<const uint8_t*>(w.q) + (k / 2) * N + c;
+        const uint8_t* row = w.q + (k / 2) * N + c;
         if (k + 2 * kPrefetch < K) __builtin_prefetch(row + kPrefetch * N, 0, 2);
         v16 lo[V], hi[V];
         for (int v = 0; v < V; ++v) {
@@ -153,8 +144,8 @@ void tail(const float* x, const Layer& w, float* y, int R, int64_t c) {
     float acc = 0.f;
     for (int64_t k = 0; k < K; ++k) {
       int64_t gi = k / G;
-      float o = F == kQ4Offset ? w.o[gi * N + c] : 0.f;
-      acc = fmadd(x[r * K + k], dequant<F>(q1<F>(w.q, N, k, c), w.s[gi * N + c], o), acc);
+      float o = F == kQ4Offset ? w.o.at(gi * N + c) : 0.f;
+      acc = fmadd(x[r * K + k], dequant<F>(q1<F>(w.q, N, k, c), w.s.at(gi * N + c), o), acc);
     }
     y[r * N + c] = acc;
   }
@@ -189,40 +180,20 @@ void run_rows(const float* x, const Layer& w, float* y, int R, int64_t c0, int64
 }
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                           ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                           ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                            ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 3 || sd.size() != 3)
-    return ffi::Error::InvalidArgument(
-        "quant_matmul: x must be [M, K], q [L, K or K/2, N] and scale [L, K/G, N]");
-  int64_t M = xd[0], K = xd[1], L = qd[0], N = qd[2], groups = sd[1];
-  bool packed = q.element_type() == ffi::DataType::U8;
-  if (!packed && q.element_type() != ffi::DataType::S8)
-    return ffi::Error::InvalidArgument("quant_matmul: q must be int8 or packed uint8");
-  bool has_offset = offset.element_count() != 0;
-  if (has_offset && !packed)
-    return ffi::Error::InvalidArgument("quant_matmul: offsets go with 4-bit q only");
-  if (has_offset && !std::equal(sd.begin(), sd.end(), offset.dimensions().begin(),
-                                offset.dimensions().end()))
-    return ffi::Error::InvalidArgument("quant_matmul: offset and scale shapes differ");
-  if (qd[1] * (packed ? 2 : 1) != K || sd[0] != L || sd[2] != N || groups < 1 || K % groups)
-    return ffi::Error::InvalidArgument("quant_matmul: x, q and scale shapes do not agree");
-  int64_t G = K / groups;
-  if (packed && G % 2) return ffi::Error::InvalidArgument("quant_matmul: 4-bit groups must be even");
-  int64_t l = *layer.typed_data();
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("quant_matmul: layer out of range");
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("quant_matmul: x must be [M, K]");
+  int64_t M = xd[0], K = xd[1];
   Layer w;
-  w.q = static_cast<const char*>(q.untyped_data()) + l * qd[1] * N;
-  w.s = scale.typed_data() + l * groups * N;
-  w.o = has_offset ? offset.typed_data() + l * groups * N : nullptr;
-  w.K = K;
-  w.N = N;
-  w.G = G;
-  int F = packed ? (has_offset ? kQ4Offset : kQ4) : kQ8;
+  ffi::Error err = s2d_cpu::parse_quant_layer("quant_matmul", K, *layer.typed_data(), q, scale,
+                                              offset, 1, w);
+  if (err.failure()) return err;
+  int F = w.format;
+  double col_bytes = w.col_bytes;
+  const int64_t N = w.N;
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  // bytes a column holds: its q plus its scales (and offsets)
-  double col_bytes = K * (packed ? 0.5 : 1.0) + groups * 4.0 * (has_offset ? 2 : 1);
   s2d_cpu::for_column_chunks(pool, N, col_bytes, [=](int64_t c0, int64_t c1) {
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       int R = int(std::min<int64_t>(kMaxRows, M - r0));
@@ -238,14 +209,14 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 
 }  // namespace
 
-// (thread pool, x [M, K] f32, q stack, scale [L, K/G, N] f32, offset (the same, or no
-// elements), layer index) -> y [M, N] f32
+// (thread pool, x [M, K] f32, q stack, scale [L, K/G, N] f32 or f16, offset (the same, or
+// no elements), layer index) -> y [M, N] f32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2dQuantMatmul, QuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -12,11 +12,16 @@ share the call.
 
 Weight-only quantized weights (quantize.QuantizedWeight) are read as stored: per-channel
 int8 by this kernel (scaled after), 8- and 4-bit blocks with per-group scales (and Q4_1's
-offsets) by quant_matmul.cc, which dequantizes each weight vector in registers exactly as
-QuantizedWeight.astype does, once for all rows, so a step streams the quantized bytes (a
-SmolLM2-135M step at one row, Q4_1 18.9 ms against float32's 49.5, interleaved on a 2-core
-AMD EPYC Zen 4 under load 7-9: `python -m infer.matmul_bench --formats f32,Q8_0,Q4_1
---statistic min`).
+offsets, float32 or the GGUF's float16) by one of two kernels, chosen by
+`activation_mode()`:
+  "int8" (the default on AVX-512 VNNI CPUs): quant_dot8.cc rounds the activations to int8
+    per block of 32 and sums the products in integers (vpdpbusd), as llama.cpp computes a
+    GGUF's matmuls; a block's q / k / v and its gate / up take one call (`matmul_shared`).
+  "float": quant_dot8's alternative, quant_matmul.cc, dequantizes each weight vector in
+    registers exactly as QuantizedWeight.astype does and multiply-adds float32 rows: exact
+    to the dequantized model, and compute-bound past one row.
+Either way a step streams the quantized bytes, and a row's result does not depend on the
+row count. `python -m infer.matmul_bench --formats Q4_1:int8,Q4_1:float,f32` times them.
 
 It is built on first use with the system C++ compiler into `$S2D_JAX_CACHE/kernels`
 (default ~/.cache/s2d-jax), keyed by the source, jaxlib and the CPU. Without a compiler
@@ -57,17 +62,28 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 # int8 weights; block-quantized ones, quant_matmul.cc) and the cached attention
 # (cpu_attention.cc, called from model/attention.py), built and loaded together.
 SOURCES = tuple(os.path.join(_HERE, f)
-                for f in ("small_matmul.cc", "quant_matmul.cc", "cpu_attention.cc"))
+                for f in ("small_matmul.cc", "quant_matmul.cc", "quant_dot8.cc", "cpu_attention.cc"))
 # included by them: part of the cache key
-HEADERS = tuple(os.path.join(_HERE, f) for f in ("cpu_vector.h", "cpu_chunks.h"))
+HEADERS = tuple(os.path.join(_HERE, f) for f in ("cpu_vector.h", "cpu_chunks.h", "quant_layer.h"))
 # Rows served by the kernel (in passes of 8 over the weights); more rows (a prefill) go to
 # XLA's general matmul, which is compute-efficient there.
 MAX_ROWS = 32
+# Rows a block-quantized weight with int8 activations takes on the kernel: every verify
+# window of a batch (8 slots x 8 tokens, up to 32 x 8) rounds its activations as the AR
+# steps do, so greedy speculative decoding stays equal to AR (XLA's dots, which a longer
+# prefill takes, keep float32 activations: a few ulps are not the int8 rounding's ~1%).
+MAX_QUANT_ROWS = 256
 # -ffp-contract=off: the kernels fuse their multiply-adds explicitly (cpu_vector.h), the
 # same way in every loop, instead of where the compiler's tuning for this CPU chooses
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w"]
 _TARGETS = {"s2d_small_matmul_kn": "S2dSmallMatmulKN", "s2d_small_matmul_nk": "S2dSmallMatmulNK",
-            "s2d_decode_attention": "S2dDecodeAttention", "s2d_quant_matmul": "S2dQuantMatmul"}
+            "s2d_decode_attention": "S2dDecodeAttention", "s2d_quant_matmul": "S2dQuantMatmul",
+            "s2d_quant_dot8": "S2dQuantDot8", "s2d_quant_dot8_shared": "S2dQuantDot8Shared"}
+# How the block-quantized matmuls take their activations (quant_dot8.cc): "int8" quantizes
+# them per block of 32 inputs and sums the products in integers, as llama.cpp computes a
+# GGUF's matmuls (the default where the CPU has AVX-512 VNNI); "float" keeps them float32
+# against the dequantized weights (quant_matmul.cc: exact to the dequantized model).
+ACTIVATION_MODES = ("int8", "float")
 
 
 @struct.dataclass
@@ -204,6 +220,47 @@ def status() -> str:
     return "small-matmul kernel" if reason is None else f"XLA dots (kernel {reason})"
 
 
+_activations: list[str | None] = [None]  # innermost `quant_activations` choice
+
+
+@contextlib.contextmanager
+def quant_activations(mode: str):
+    """Block-quantized matmuls traced inside take their activations as `mode` ("int8" or
+    "float"; tests and the matmul benchmark, on any CPU)."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"activation mode {mode!r}: use one of {ACTIVATION_MODES}")
+    # JAX's trace cache keys a jitted function by its arguments, not by this module's
+    # state: a function traced under the other mode would be reused (compile_cache keys
+    # executables by `_activations` too)
+    jax.clear_caches()
+    _activations.append(mode)
+    try:
+        yield
+    finally:
+        _activations.pop()
+        jax.clear_caches()
+
+
+def activation_mode() -> str:
+    """How block-quantized matmuls take their activations in a trace now: the innermost
+    `quant_activations`, else S2D_QUANT_ACTIVATIONS, else "int8" where the kernel has its
+    VNNI tiles (elsewhere its int8 path is scalar: exact, but slower than float; a trace's
+    choice is part of compile_cache's key, through `_activations` and the environment)."""
+    if _activations[-1] is not None:
+        return _activations[-1]
+    from s2d_jax.env import quant_activations_setting
+    chosen = quant_activations_setting()
+    if chosen is not None:
+        return chosen
+    return "int8" if vnni() else "float"
+
+
+def vnni() -> bool:
+    """Whether this CPU has the AVX-512 VNNI instructions quant_dot8.cc's tiles are built
+    from (-march=native); without them its columns take the scalar path."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+
+
 # The innermost choice of the traces under way: None = the default (`preferred()`),
 # False = XLA's dots (`disabled()`), True = the kernels wherever they can run (`forced()`).
 _choice: list[bool | None] = [None]
@@ -240,12 +297,15 @@ def for_mesh(mesh):
     return disabled() if off else contextlib.nullcontext()
 
 
-def usable(rows: int) -> bool:
+def usable(rows: int, weight=None) -> bool:
     """Whether a decode-path projection of `rows` rows runs on the kernel: the CPU backend,
-    few rows, a built kernel, not traced under `disabled()` / a multi-device `for_mesh`,
-    and a CPU it pays on (`preferred()`) unless forced."""
+    few rows (up to MAX_QUANT_ROWS where `weight`, one of the call's, is block-quantized
+    with int8 activations), a built kernel, not traced under `disabled()` / a multi-device
+    `for_mesh`, and a CPU it pays on (`preferred()`) unless forced."""
     choice = _choice[-1]
-    if choice is False or rows > MAX_ROWS or jax.default_backend() != "cpu":
+    limit = (MAX_QUANT_ROWS if weight is not None and _block_quantized(weight)
+             and weight.group % 32 == 0 and activation_mode() == "int8" else MAX_ROWS)
+    if choice is False or rows > limit or jax.default_backend() != "cpu":
         return False
     return _load() is None and (choice is True or preferred() is None)
 
@@ -345,12 +405,45 @@ def _quant_call(x, w, index, contract: int) -> jnp.ndarray:
     lead = x.shape[:x.ndim - contract]
     rows = x.reshape((-1, K)).astype(jnp.float32)
     flat = lambda a: a.reshape(a.shape[0], -1, N)  # [L, K/G, 1, N] -> [L, K/G, N]
-    no_offset = jnp.zeros((0,), jnp.float32)
-    call = jax.ffi.ffi_call("s2d_quant_matmul", jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32),
+    no_offset = jnp.zeros((0,), scale.dtype)
+    target = ("s2d_quant_dot8" if w.group % 32 == 0 and activation_mode() == "int8"
+              else "s2d_quant_matmul")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32),
                             vmap_method="sequential")
     out = call(rows, flat(q), flat(scale), no_offset if offset is None else flat(offset),
                jnp.asarray(index, jnp.int32))
     return out.reshape(lead + n_dims)
+
+
+def shares_input(ws) -> bool:
+    """Whether `matmul_shared` takes these weights together: layers of block-quantized stacks
+    at one index (a block's q, k, v; its gate and up), int8 activations, whole 32-blocks."""
+    if not all(isinstance(w, StackedWeight) and _block_quantized(w.stack) for w in ws):
+        return False
+    return (all(w.index is ws[0].index and w.stack.group % 32 == 0 for w in ws)
+            and activation_mode() == "int8")
+
+
+def matmul_shared(x: jnp.ndarray, ws, contract: int) -> list[jnp.ndarray]:
+    """[x @ w for w in ws] as one call of quant_dot8.cc (`shares_input(ws)`): x quantized
+    once, every weight's columns shared out to the threads in one hand-off -> float32
+    [..., N_i...] each."""
+    K = math.prod(x.shape[x.ndim - contract:])
+    lead = x.shape[:x.ndim - contract]
+    rows = x.reshape((-1, K)).astype(jnp.float32)
+    flat = lambda a, N: a.reshape(a.shape[0], -1, N)  # [L, K/G, 1, N] -> [L, K/G, N]
+    args, outs, n_dims = [], [], []
+    for w in ws:
+        qw = w.stack
+        dims = tuple(qw.shape[contract:])
+        N = math.prod(dims)
+        args += [flat(qw.q, N), flat(qw.scale, N),
+                 jnp.zeros((0,), qw.scale.dtype) if qw.offset is None else flat(qw.offset, N)]
+        outs.append(jax.ShapeDtypeStruct((rows.shape[0], N), jnp.float32))
+        n_dims.append(dims)
+    call = jax.ffi.ffi_call("s2d_quant_dot8_shared", outs, vmap_method="sequential")
+    ys = call(rows, jnp.asarray(ws[0].index, jnp.int32), *args)
+    return [y.reshape(lead + d) for y, d in zip(ys, n_dims)]
 
 
 def _call(x, flat, index, layout: str, n_contract: int, N: int) -> jnp.ndarray:

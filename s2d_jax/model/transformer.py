@@ -52,7 +52,7 @@ def lm_logits(params: dict, cfg: ModelConfig, h: jnp.ndarray, decode: bool = Fal
     if "head_ids" in params:
         full = jnp.full(h.shape[:-1] + (cfg.vocab_size,), SUB_VOCAB_FLOOR, jnp.float32)
         return full.at[..., params["head_ids"]].set(sub_vocab_logits(params, cfg, h, decode))
-    kernel = decode and small_matmul.usable(math.prod(h.shape[:-1]))
+    kernel = decode and small_matmul.usable(math.prod(h.shape[:-1]), params.get("lm_head"))
     x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
     if cfg.tie_word_embeddings:
         return _head_nk(x, params["embed"], kernel, decode)
