@@ -244,10 +244,10 @@ def compiled(fn, *args, **kwargs):
     loaded = _read_executable(path)
     if loaded is not None:
         _stats["hits"] += 1
-        _LOADED[path] = _Checked(loaded, path, lambda: fn.lower(*args, **kwargs).compile())
+        _LOADED[path] = _Checked(loaded, path, lambda: _fresh_compile(fn, args, kwargs))
         return _LOADED[path]
     _stats["misses"] += 1
-    out = _LOADED[path] = fn.lower(*args, **kwargs).compile()
+    out = _LOADED[path] = _fresh_compile(fn, args, kwargs)
     try:
         from jax.experimental import serialize_executable
         payload, in_tree, out_tree = serialize_executable.serialize(out)
@@ -260,12 +260,34 @@ def compiled(fn, *args, **kwargs):
     return out
 
 
+def _fresh_compile(fn, args: tuple, kwargs: dict):
+    """fn compiled here, without JAX's own persistent cache: an executable JAX read back from
+    it, serialized again into this cache, lacks some of its kernels, and a later process
+    that loads it fails when it runs ("Function wrapped_add.1 not found (type id: 1)"). That
+    happens whenever this key changes but the program does not (any edit of the package's
+    source): three `s2d peer-bench` runs on SmolLM2 over one cache folder, the second and
+    third under another source fingerprint, failed in the third before this, not after.
+    (A tiny jitted function did not show it.)"""
+    # JAX decides whether its cache is in use once a process (compilation_cache.is_cache_used
+    # memoizes it), so the switch is that function's, for this one compile
+    from jax._src import compilation_cache as jax_cache
+    used = getattr(jax_cache, "is_cache_used", None)
+    if used is not None:
+        jax_cache.is_cache_used = lambda backend: False
+    try:
+        return fn.lower(*args, **kwargs).compile()
+    finally:
+        if used is not None:
+            jax_cache.is_cache_used = used
+
+
 class _Checked:
-    """An executable read from the cache, which its first call checks: XLA:CPU's loader
-    can return an executable that fails at dispatch ("Function wrapped_slice not found",
-    seen once for a ladder program a run before had written). Such a call compiles the
-    program anew, drops the entry (the next process writes a good one) and runs that;
-    everything else is the executable's."""
+    """An executable read from the cache, which its first call checks (waiting for its
+    result): XLA:CPU's loader can return an executable that fails when run ("Function
+    wrapped_slice.3 / iota_compare_fusion not found (type id: 1)", twice on 2026-12-06,
+    from a cache folder many runs had filled). Such a call compiles the program anew, drops
+    the entry (the next process writes a good one) and runs that; everything else is the
+    executable's."""
 
     def __init__(self, executable, path: str, compile_fn):
         self._exe, self._path, self._compile, self._checked = executable, path, compile_fn, False
@@ -273,8 +295,10 @@ class _Checked:
     def __call__(self, *args, **kwargs):
         if self._checked:
             return self._exe(*args, **kwargs)
+        import jax
         try:
-            out = self._exe(*args, **kwargs)
+            # the failure can surface at dispatch or only when the result is waited for
+            out = jax.block_until_ready(self._exe(*args, **kwargs))
         except Exception as e:  # noqa: BLE001 - only the loader's own failure is retried
             if "not found" not in str(e) or "Function" not in str(e):
                 raise
@@ -283,6 +307,11 @@ class _Checked:
                 os.remove(self._path)
             except OSError:
                 pass
+            if any(getattr(x, "is_deleted", lambda: False)()
+                   for x in jax.tree.leaves((args, kwargs))):
+                raise S2DError(f"a compiled program read from {self._path} could not run "
+                               f"({str(e).splitlines()[0][:120]}) and has been removed from "
+                               "the cache; run the command again") from None
             self._exe = self._compile()
             out = self._exe(*args, **kwargs)
         self._checked = True

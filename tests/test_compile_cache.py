@@ -257,3 +257,4 @@ def test_an_executable_failing_at_its_first_dispatch_is_compiled_anew(tmp_path, 
     other._exe = type("Fails", (), {"__call__": lambda self, *a: 1 / 0})()
     with pytest.raises(ZeroDivisionError):  # any other error is the program's own
         other(jnp.ones(3))
+
